@@ -1,0 +1,1 @@
+"""specjax: lossless speculative decoding in JAX."""

@@ -1,0 +1,51 @@
+"""Plain autoregressive decoding: the baseline every mechanism must reproduce token for token.
+
+A gpt-fast-sized loop: prefill, then one target forward per token inside `lax.while_loop`, so the
+whole decode runs on the device with no host round trip per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+from specjax.models.params import ModelParams
+from specjax.models.transformer import forward, lm_logits
+from specjax.sampling import choose_token, top2_margin
+
+
+def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache: KVCache,
+            seqs: Sequences, key: jax.Array) -> tuple[KVCache, Sequences]:
+    pos = seqs.length - 1  # slot of the pending token
+    hidden, cache = forward(params, cfg, seqs.pending()[:, None], pos[:, None], cache, pos)
+    logits = lm_logits(params, hidden[:, 0])
+    token = choose_token(logits, gen.sampling, key)
+    seqs = commit(seqs, token[:, None], jnp.ones_like(pos), gen, margins=top2_margin(logits)[:, None])
+    return cache, seqs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
+def ar_prefill(params, cfg, gen, prompt, prompt_len, key, num_slots):
+    cache, seqs, _ = prefill(params, cfg, gen, prompt, prompt_len, num_slots, key)
+    return cache, seqs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gen"))
+def ar_decode(params, cfg, gen, cache, seqs, key):
+    """Decode until every row is done. Returns (sequences, number of steps)."""
+    def cond(carry):
+        return ~jnp.all(carry[1].done)
+
+    def body(carry):
+        cache, seqs, key, steps = carry
+        key, sub = jax.random.split(key)
+        cache, seqs = ar_step(params, cfg, gen, cache, seqs, sub)
+        return cache, seqs, key, steps + 1
+
+    _, seqs, _, steps = jax.lax.while_loop(cond, body, (cache, seqs, key, jnp.int32(0)))
+    return seqs, steps

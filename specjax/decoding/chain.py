@@ -1,0 +1,125 @@
+"""Chain speculative decoding: draft k tokens, verify all k + 1 positions in one target forward,
+commit the accepted prefix plus the target's own next token. The loop stays on the device.
+
+Rejected drafts need no cache rollback: their K/V sit past the new length, masked and then
+overwritten (see decoding/sequences.py). With `forced` set, the step runs in token-forcing mode: the
+engine's choices are compared with a reference and the reference is committed (forcing.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache, read_rows
+from specjax.models.params import ModelParams
+from specjax.models.transformer import forward, lm_logits
+from specjax.sampling import probabilities, top2_margin
+from specjax.verification.chain import greedy_accept, leading_true, rejection_accept
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ChainStats:
+    rounds: jax.Array  # [B] verify steps while the row was active
+    accepted_hist: jax.Array  # [B, k + 1] rounds by number of accepted drafts
+
+    @staticmethod
+    def zeros(batch: int, k: int) -> "ChainStats":
+        return ChainStats(jnp.zeros(batch, jnp.int32), jnp.zeros((batch, k + 1), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Forced:
+    """Token-forcing inputs and findings (see forcing.py)."""
+    ref_tokens: jax.Array  # [B, S] reference sequence (prompt + AR continuation)
+    ref_length: jax.Array  # [B]
+    mismatch: jax.Array  # [B, S] bool: the engine chose differently at this position
+    engine_token: jax.Array  # [B, S] the engine's choice where it differed
+    checked: jax.Array  # [B, S] bool: the engine's choice at this position was compared
+
+
+def force(forced: Forced, seqs: Sequences, out, num_accepted):
+    """Compare the engine's tokens out[:, :num_accepted + 1] with the reference at the same positions,
+    record disagreements, and return what to commit instead: the reference up to and including the
+    first disagreement (its accepted drafts agree with the reference, so the cache stays valid)."""
+    start = seqs.length  # sequence index of out[:, 0]
+    width = out.shape[1]
+    ref = read_rows(forced.ref_tokens, start, width)
+    first_diff = leading_true(out == ref)  # width when all agree
+    keep = jnp.minimum(num_accepted, first_diff)
+    idx = start + first_diff
+    active = ~seqs.done
+    differs = active & (first_diff <= num_accepted) & (idx < forced.ref_length)
+    rows = jnp.arange(out.shape[0])
+    out_at = jnp.take_along_axis(out, jnp.minimum(first_diff, width - 1)[:, None], axis=1)[:, 0]
+    pos = jnp.arange(forced.checked.shape[1])[None, :]
+    newly_checked = active[:, None] & (pos >= start[:, None]) & (pos <= (start + keep)[:, None]) & (
+        pos < forced.ref_length[:, None])
+    where = jnp.where(differs, idx, forced.checked.shape[1])  # out of bounds: dropped
+    forced = dataclasses.replace(
+        forced,
+        mismatch=forced.mismatch.at[rows, where].set(True, mode="drop"),
+        engine_token=forced.engine_token.at[rows, where].set(out_at, mode="drop"),
+        checked=forced.checked | newly_checked)
+    return forced, ref, keep
+
+
+def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationConfig, cache: KVCache,
+               dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None):
+    key_d, key_v = jax.random.split(key)
+    draft, draft_probs, dstate = drafter.propose(dstate, seqs, key_d, gen.sampling)
+    k = draft.shape[1]
+    pos = seqs.length - 1
+    tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
+    positions = pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    hidden, cache = forward(target, cfg, tokens, positions, cache, pos)
+    logits = lm_logits(target, hidden)  # [B, k + 1, V]
+    if gen.sampling.greedy:
+        num_accepted, out = greedy_accept(draft, logits)
+    else:
+        num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v)
+    active = ~seqs.done
+    stats = ChainStats(
+        rounds=stats.rounds + active,
+        accepted_hist=stats.accepted_hist + (
+            active[:, None] & (num_accepted[:, None] == jnp.arange(k + 1)[None, :])))
+    limit = None
+    if forced is not None:
+        forced, out, num_accepted = force(forced, seqs, out, num_accepted)
+        limit = forced.ref_length
+    seqs = commit(seqs, out, num_accepted + 1, gen, margins=top2_margin(logits), limit=limit)
+    return cache, dstate, seqs, stats, forced
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
+def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots):
+    cache, seqs, _ = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key)
+    dstate = drafter.init(prompt, prompt_len, num_slots)
+    return cache, dstate, seqs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gen"))
+def chain_decode(target, cfg, drafter, gen, cache, dstate, seqs, key, forced=None):
+    """Run chain steps until every row is done -> (sequences, stats, forced)."""
+    stats = ChainStats.zeros(seqs.length.shape[0], drafter.k)
+
+    def cond(carry):
+        return ~jnp.all(carry[2].done)
+
+    def body(carry):
+        cache, dstate, seqs, stats, forced, key = carry
+        key, sub = jax.random.split(key)
+        cache, dstate, seqs, stats, forced = chain_step(
+            target, cfg, drafter, gen, cache, dstate, seqs, stats, sub, forced)
+        return cache, dstate, seqs, stats, forced, key
+
+    _, _, seqs, stats, forced, _ = jax.lax.while_loop(
+        cond, body, (cache, dstate, seqs, stats, forced, key))
+    return seqs, stats, forced

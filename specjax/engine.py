@@ -1,0 +1,154 @@
+"""Host-side driver: pads prompts into buckets, compiles each shape once (ahead of time, so timings
+exclude compilation), runs prefill and the on-device decode loop, and unpacks results.
+
+The jitted pieces (`ar_prefill`/`ar_decode`, `chain_prefill`/`chain_decode`) are what a JAX serving
+stack embeds; this class is the convenience layer for the CLI, benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decoding.ar import ar_decode, ar_prefill
+from specjax.decoding.chain import Forced, chain_decode, chain_prefill
+from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_bucket
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+from specjax.models.params import ModelParams
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per row, cut after a stop token / at max_new_tokens
+    margins: list[list[float]]  # target top-1 minus top-2 logit behind each generated token
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+    steps: int  # decode-loop iterations (the slowest row's)
+    rounds: np.ndarray | None = None  # [B] verify rounds per row (speculative only)
+    accepted_hist: np.ndarray | None = None  # [B, k + 1]
+    forced: dict | None = None  # raw forcing findings (see forcing.py)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / max(self.prefill_s + self.decode_s, 1e-12)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verify step, bonus included (AR = 1.00)."""
+        if self.accepted_hist is None:
+            return 1.0
+        hist = self.accepted_hist.sum(axis=0)
+        return float((hist * np.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """P(draft i accepted) for i = 1..k, over all rounds."""
+        if self.accepted_hist is None:
+            return []
+        hist = self.accepted_hist.sum(axis=0)
+        at_least = np.cumsum(hist[::-1])[::-1]  # rounds with >= i accepted
+        return [float(at_least[i] / max(hist.sum(), 1)) for i in range(1, len(hist))]
+
+
+class Decoder:
+    """Greedy or sampled generation with an optional drafter (None: plain AR)."""
+
+    def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None):
+        self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
+        self.k = 0 if drafter is None else drafter.k
+        self._compiled: dict = {}
+
+    # ------------------------------------------------------------------ input checks
+
+    def _pack(self, prompts: list[list[int]]):
+        if not prompts:
+            raise ConfigError("no prompts given")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ConfigError(f"prompt {i} is empty")
+            if len(p) + self.gen.max_new_tokens > self.cfg.max_position_embeddings:
+                raise ConfigError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={self.gen.max_new_tokens} "
+                    f"that exceeds the model context of {self.cfg.max_position_embeddings} tokens")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ConfigError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        P = prompt_bucket(max(len(p) for p in prompts))
+        arr = np.zeros((len(prompts), P), np.int32)
+        for i, p in enumerate(prompts):
+            arr[i, :len(p)] = p
+        lens = np.array([len(p) for p in prompts], np.int32)
+        return jnp.asarray(arr), jnp.asarray(lens), num_slots_for(P, self.gen.max_new_tokens, self.k)
+
+    def _run(self, name, fn, static: dict, **args):
+        """Compile `fn` for these argument shapes once (timed apart), then run it to completion.
+        Returns (outputs, compile seconds, run seconds)."""
+        key = (name,) + tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
+        compile_s = 0.0
+        if key not in self._compiled:
+            t = time.perf_counter()
+            self._compiled[key] = fn.lower(**args, **static).compile()
+            compile_s = time.perf_counter() - t
+        t = time.perf_counter()
+        out = jax.block_until_ready(self._compiled[key](**args))
+        return out, compile_s, time.perf_counter() - t
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], seed: int = 0, forced: Forced | None = None
+                 ) -> GenerationResult:
+        prompt, prompt_len, num_slots = self._pack(prompts)
+        if forced is not None and forced.ref_tokens.shape[1] != num_slots:
+            raise ValueError("forced reference was built for another slot count")
+        key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))
+        cfg, gen = self.cfg, self.gen
+        static = dict(cfg=cfg, gen=gen)
+        if self.drafter is None:
+            (cache, seqs), c1, prefill_s = self._run(
+                "ar_prefill", ar_prefill, dict(static, num_slots=num_slots), params=self.params,
+                prompt=prompt, prompt_len=prompt_len, key=key_p)
+            (seqs, steps), c2, decode_s = self._run(
+                "ar_decode", ar_decode, static, params=self.params, cache=cache, seqs=seqs, key=key_d)
+            stats = None
+        else:
+            (cache, dstate, seqs), c1, prefill_s = self._run(
+                "chain_prefill", chain_prefill, dict(static, num_slots=num_slots), target=self.params,
+                drafter=self.drafter, prompt=prompt, prompt_len=prompt_len, key=key_p)
+            if forced is not None:
+                from specjax.forcing import force_first_token
+                forced, seqs = force_first_token(forced, seqs)
+            (seqs, stats, forced), c2, decode_s = self._run(
+                "chain_decode", chain_decode, static, target=self.params, drafter=self.drafter,
+                cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
+            steps = int(np.max(np.asarray(stats.rounds)))
+        compile_s = c1 + c2
+        tokens_np = np.asarray(seqs.tokens)
+        length, plen = np.asarray(seqs.length), np.asarray(seqs.prompt_len)
+        margins_np = np.asarray(seqs.margins)
+        out_tokens, out_margins = [], []
+        for b in range(len(prompts)):
+            gen_tokens = tokens_np[b, plen[b]:length[b]].tolist()
+            cut = min(len(gen_tokens), gen.max_new_tokens)
+            if forced is None:
+                for i, t in enumerate(gen_tokens[:cut]):
+                    if t in gen.stop_tokens:
+                        cut = i + 1
+                        break
+            out_tokens.append(gen_tokens[:cut])
+            out_margins.append(margins_np[b, plen[b]:plen[b] + cut].tolist())
+        return GenerationResult(
+            tokens=out_tokens, margins=out_margins, prefill_s=prefill_s, decode_s=decode_s,
+            compile_s=compile_s, steps=int(steps),
+            rounds=None if stats is None else np.asarray(stats.rounds),
+            accepted_hist=None if stats is None else np.asarray(stats.accepted_hist),
+            forced=None if forced is None else jax.tree.map(np.asarray, dataclasses.asdict(forced)))

@@ -1,0 +1,98 @@
+"""The dense decoder forward: pure functions over `ModelParams` and a `KVCache`.
+
+One function, `forward`, serves prefill, AR decode, drafting and verification: it takes T new tokens per
+row, writes their K/V at slots `start[b] .. start[b] + T - 1`, and attends over all S slots under a mask.
+The default mask is causal over slots (slot j visible to the token written at slot i iff j <= i); tree
+verification passes its own [B, T, S] mask and RoPE positions that differ from slot indices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache, write_rows
+from specjax.models.params import LayerParams, ModelParams
+from specjax.models.rope import apply_rope, rope_cos_sin
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As transformers: normalize in float32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def causal_slot_mask(start: jax.Array, num_new: int, num_slots: int) -> jax.Array:
+    """[B, T, S] bool: new token t of row b (at slot start[b] + t) sees slots <= its own."""
+    query_slot = start[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
+    return jnp.arange(num_slots)[None, None, :] <= query_slot[:, :, None]
+
+
+def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
+    """q [B, T, Hq, hd], caches [B, S, Hkv, hd], mask [B, T, S] -> [B, T, Hq * hd]."""
+    B, T = q.shape[:2]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(B, T, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (cfg.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, cfg.q_size).astype(q.dtype)
+
+
+def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask):
+    B, T, _ = x.shape
+    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+    qkv = h @ p.w_qkv
+    if p.b_qkv is not None:
+        qkv = qkv + p.b_qkv
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if p.q_norm is not None:
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    k_cache = write_rows(k_cache, k, start)
+    v_cache = write_rows(v_cache, v, start)
+    attn = _attention(cfg, q, k_cache, v_cache, mask) @ p.w_o
+    if p.b_o is not None:
+        attn = attn + p.b_o
+    x = x + attn
+    h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+    gate, up = jnp.split(h @ p.w_gate_up, 2, axis=-1)
+    x = x + (jax.nn.silu(gate) * up) @ p.w_down
+    return x, k_cache, v_cache
+
+
+def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, start: jax.Array, mask: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache]:
+    """tokens/positions [B, T] int32, start [B] int32 -> (final-normed hidden [B, T, D], new cache).
+
+    Logits are left to `lm_logits` so callers compute them only at the positions they need
+    (prefill needs one row, not T).
+    """
+    T = tokens.shape[1]
+    if mask is None:
+        mask = causal_slot_mask(start, T, cache.num_slots)
+    x = params.embed[tokens]
+    cos, sin = rope_cos_sin(cfg, positions)
+    new_k, new_v = [], []
+    for p, kc, vc in zip(params.layers, cache.k, cache.v):
+        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask)
+        new_k.append(kc)
+        new_v.append(vc)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return x, KVCache(k=new_k, v=new_v)
+
+
+def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]."""
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)

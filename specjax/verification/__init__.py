@@ -1,0 +1,1 @@
+"""Acceptance rules, kept apart from the proposers (as in vLLM v1)."""
