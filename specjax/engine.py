@@ -70,7 +70,8 @@ class Decoder:
 
     # ------------------------------------------------------------------ input checks
 
-    def _pack(self, prompts: list[list[int]]):
+    def pack(self, prompts: list[list[int]]):
+        """Check and right-pad prompts -> (prompt [B, P], prompt_len [B], num_slots)."""
         if not prompts:
             raise ConfigError("no prompts given")
         for i, p in enumerate(prompts):
@@ -107,7 +108,7 @@ class Decoder:
 
     def generate(self, prompts: list[list[int]], seed: int = 0, forced: Forced | None = None
                  ) -> GenerationResult:
-        prompt, prompt_len, num_slots = self._pack(prompts)
+        prompt, prompt_len, num_slots = self.pack(prompts)
         if forced is not None and forced.ref_tokens.shape[1] != num_slots:
             raise ValueError("forced reference was built for another slot count")
         key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))

