@@ -53,7 +53,7 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) ->
     dtype = jnp.dtype(cfg.dtype)
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     qkv = cfg.q_size + 2 * cfg.kv_size
-    keys = iter(jax.random.split(key, 8 * cfg.num_layers + 4))
+    keys = iter(jax.random.split(key, 10 * cfg.num_layers + 3))
 
     def normal(shape):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)

@@ -1,0 +1,127 @@
+"""Sampled speculative decoding follows the target's distribution exactly.
+
+On a tiny model the exact joint distribution of the first three generated tokens is computed by
+enumeration; 10^5 draws from each engine are compared with it by a chi-square test (fixed seeds,
+p > 0.01). A deliberately broken acceptance rule must be caught by the same test."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import specjax.decoding.chain as chain_module
+from conftest import tiny_model
+from specjax.decoding.sequences import GenerationConfig
+from specjax.drafters.model_drafter import layer_skip_drafter, small_model_drafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.engine import Decoder
+from specjax.models.kv_cache import init_cache
+from specjax.models.transformer import forward, lm_logits
+from specjax.sampling import SamplingConfig, probabilities, sample_from
+from specjax.verification.chain import leading_true
+
+V = 6
+PROMPT = [1, 2, 3, 1, 2]
+DRAWS = 100_000
+CHUNK = 25_000
+SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "t08_p08": SamplingConfig(temperature=0.8, top_p=0.8)}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=7, scale=0.15, vocab_size=V, hidden_size=16, intermediate_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+
+
+def exact_joint(cfg, params, sampling) -> np.ndarray:
+    """[V, V, V] probabilities of the first three generated tokens, by full forwards (no cache reuse)."""
+    def next_probs(seqs):
+        seqs = jnp.asarray(seqs, jnp.int32)
+        B, T = seqs.shape
+        hidden, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), (B, T)),
+                            init_cache(cfg, B, T), jnp.zeros(B, jnp.int32))
+        return np.asarray(probabilities(lm_logits(params, hidden[:, -1]), sampling), np.float64)
+
+    p1 = next_probs([PROMPT])[0]
+    p2 = next_probs([PROMPT + [a] for a in range(V)])
+    p3 = next_probs([PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)]).reshape(V, V, V)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return joint / joint.sum()
+
+
+def sample_counts(cfg, params, drafter, sampling, seed) -> np.ndarray:
+    gen = GenerationConfig(max_new_tokens=3, sampling=sampling)
+    dec = Decoder(cfg, params, gen, drafter)
+    counts = np.zeros((V, V, V), np.int64)
+    for i in range(DRAWS // CHUNK):
+        out = dec.generate([PROMPT] * CHUNK, seed=seed * 1000 + i)
+        first3 = np.array(out.tokens)
+        np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, joint: np.ndarray) -> float:
+    counts, joint = counts.ravel(), joint.ravel()
+    assert counts[joint == 0].sum() == 0, "drew a token the target gives probability 0"
+    expected = joint * counts.sum()
+    big = expected >= 5  # pool the sparse cells so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big & (joint > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (joint > 0)].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def make(kind, cfg, params, k=3):
+    if kind == "ar":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(k=k)
+    if kind == "layerskip":
+        return layer_skip_drafter(params, cfg, 1, k)
+    small_cfg, small = tiny_model(seed=99, scale=0.8, vocab_size=V, hidden_size=16,
+                                  intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  head_dim=8)
+    return small_model_drafter(small, small_cfg, cfg, k)
+
+
+@pytest.mark.parametrize("sampling_name", sorted(SAMPLINGS))
+@pytest.mark.parametrize("kind", ["ar", "ngram", "layerskip", "small"])
+def test_first_three_tokens_follow_target(target, kind, sampling_name):
+    cfg, params = target
+    sampling = SAMPLINGS[sampling_name]
+    joint = exact_joint(cfg, params, sampling)
+    counts = sample_counts(cfg, params, make(kind, cfg, params), sampling, seed=1)
+    assert chi_square_p(counts, joint) > 0.01
+
+
+def broken_rejection_accept(draft, draft_probs, target_probs, key):
+    """Wrong on purpose: after a rejection, draw from the target p instead of the residual."""
+    B, k = draft.shape
+    p_draft = jnp.take_along_axis(target_probs[:, :k], draft[..., None], axis=-1)[..., 0]
+    q = jax.nn.one_hot(draft, target_probs.shape[-1]) if draft_probs is None else draft_probs
+    q_draft = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    key_u, key_s = jax.random.split(key)
+    num_accepted = leading_true(jax.random.uniform(key_u, (B, k)) * q_draft < p_draft)
+    chosen = jnp.take_along_axis(target_probs, num_accepted[:, None, None], axis=1)[:, 0]
+    out = jnp.concatenate([draft, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    return num_accepted, out.at[jnp.arange(B), num_accepted].set(sample_from(chosen, key_s))
+
+
+def test_broken_acceptance_rule_is_detected(target, monkeypatch):
+    cfg, params = target
+    sampling = SAMPLINGS["t1"]
+    joint = exact_joint(cfg, params, sampling)
+    monkeypatch.setattr(chain_module, "rejection_accept", broken_rejection_accept)
+    jax.clear_caches()  # the jitted decode loop must be retraced with the broken rule
+    try:
+        counts = sample_counts(cfg, params, make("small", cfg, params), sampling, seed=1)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi_square_p(counts, joint) < 0.01
