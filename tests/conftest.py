@@ -51,3 +51,25 @@ def smollm2():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def save_tiny_checkpoint(path, vocab_size=40, max_positions=256, seed=0, num_layers=2):
+    """A tiny random Llama checkpoint written by transformers, with a character-level tokenizer.json,
+    so the CLI can run end to end on it. Returns the directory."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    chars = "abcdefghijklmnopqrstuvwxyz .,:()\n0123"
+    vocab = {"<eos>": 0} | {c: i + 1 for i, c in enumerate(chars[:vocab_size - 1])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=num_layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=max_positions,
+                                   eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path

@@ -249,7 +249,7 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, ModelPar
             raise ModelFormatError(f"{where}: tensor {name!r} is missing")
         try:
             x = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
+        except Exception:  # NotImplementedError for unsupported quants, others for integer types
             raise ModelFormatError(f"{where}: tensor {name!r} has unsupported GGUF type "
                                    f"{t.tensor_type.name}") from None
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first

