@@ -108,3 +108,15 @@ def test_forcing_catches_a_wrong_engine():
     first = report.failures[0]
     assert first.engine_token != first.reference_token
     assert report.checked == report.expected == 48
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "layerskip"])
+def test_bfloat16_target_chain_equals_ar(drafter_kind):
+    cfg, params = tiny_model(seed=5, dtype="bfloat16")
+    assert params.embed.dtype == jax.numpy.bfloat16
+    gen = GenerationConfig(max_new_tokens=24)
+    prompts = [[3, 4, 5, 3, 4], [9, 9, 8, 7, 9, 9, 8]]
+    reference = Decoder(cfg, params, gen).generate(prompts)
+    drafter = NgramDrafter(k=4) if drafter_kind == "ngram" else layer_skip_drafter(params, cfg, 2, 4)
+    report = check_token_forcing(Decoder(cfg, params, gen, drafter), prompts, reference, tolerance=0.05)
+    assert report.passed, report.summary()
