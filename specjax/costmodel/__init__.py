@@ -1,0 +1,1 @@
+"""Roofline cost model for speculative decoding steps (pure JAX, jit + vmap over candidates)."""

@@ -1,0 +1,269 @@
+"""The search loop. Each round:
+
+    gap attribution (cost model on the incumbent) -> directions (components with the largest gaps)
+    -> N agents propose mutations within their direction -> validate against the spec
+    -> cost-model screen (one jit+vmap call) -> measure the best few for real (interleaved with the
+    incumbent) -> floor gate + token-forcing gate -> combine compatible winners -> new incumbent
+    -> memory record for every validated improvement.
+
+State is saved atomically after every measurement, so a killed search resumes with `--resume` and
+re-measures nothing it already has; memory records are written only after the gates passed.
+The kernel sub-agent's place: `kernel_agent` (None until the kernels issue adds tunable kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specjax.atomic import read_json_checked, write_json_atomic
+from specjax.costmodel.model import predict
+from specjax.search.evaluate import Evaluator, Measurement, candidate_arrays
+from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant
+from specjax.search.spec import SearchSpec
+
+AR_CONFIG = {"drafter.kind": "none"}
+MIN_GAIN = 1.02  # a winner must beat the incumbent by 2% in the interleaved measurement
+
+
+def config_key(config: dict) -> str:
+    return repr(sorted(config.items()))
+
+
+@dataclasses.dataclass
+class SearchState:
+    round: int = 0
+    ar: dict | None = None  # Measurement as dict
+    stock: dict | None = None
+    incumbent: dict | None = None  # Measurement as dict
+    profiles: dict = dataclasses.field(default_factory=dict)  # drafter variant -> alpha list
+    evaluated: dict = dataclasses.field(default_factory=dict)  # config key -> record
+    history: list = dataclasses.field(default_factory=list)  # per round summary
+    records: list = dataclasses.field(default_factory=list)  # memory record ids written
+    measurements: int = 0
+    elapsed_s: float = 0.0
+
+    def save(self, path: Path):
+        write_json_atomic(path, dataclasses.asdict(self))
+
+    @staticmethod
+    def load(path: Path) -> "SearchState":
+        return SearchState(**read_json_checked(path))
+
+
+def _m(d: dict) -> Measurement:
+    return Measurement(**d)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Search:
+    def __init__(self, spec: SearchSpec, evaluator: Evaluator, proposer, output_dir: str | Path,
+                 memory=None, agents: int | None = None, progress: Callable[[str], None] = print,
+                 kernel_agent=None):
+        self.spec, self.ev, self.proposer = spec, evaluator, proposer
+        self.out = Path(output_dir)
+        self.state_path = self.out / "state.json"
+        self.memory, self.progress, self.kernel_agent = memory, progress, kernel_agent
+        self.agents = agents or spec.budget.agents
+        self.state = SearchState()
+
+    # ------------------------------------------------------------------ cost model
+
+    def predict(self, configs: list[dict]) -> dict:
+        profiles = {k: np.asarray(v) for k, v in self.state.profiles.items()}
+        k, kind, layers, alpha = candidate_arrays(configs, profiles)
+        dims = self.ev.dims(int(max(k.max(), 1)))
+        return predict(dims, self.ev.device, k, kind, layers, alpha)
+
+    def _variants(self) -> list[dict]:
+        """One config per drafter variant in the space (acceptance depends on the variant, not on k)."""
+        seen, out = set(), []
+        names = [n for n in self.spec.space if n != "drafter.k"]
+        grids = [self.spec.space[n].grid() for n in names]
+        for combo in itertools.islice(itertools.product(*grids), 5000):
+            c = self.spec.canonical(dict(zip(names, combo)))
+            v = drafter_variant(c)
+            if v not in seen and c.get("drafter.kind", "none") != "none":
+                seen.add(v)
+                out.append(c)
+        return out
+
+    def _profiled(self, config: dict) -> bool:
+        return config.get("drafter.kind", "none") == "none" or drafter_variant(config) in self.state.profiles
+
+    # ------------------------------------------------------------------ measuring
+
+    def _measure(self, config: dict, incumbent: dict | None) -> Measurement:
+        key = config_key(config)
+        if key in self.state.evaluated:
+            return _m(self.state.evaluated[key]["measurement"])
+        m, inc = self.ev.measure(config, self.spec.budget.runs, incumbent)
+        m = self.ev.gate(m)
+        entry = {"measurement": dataclasses.asdict(m), "round": self.state.round,
+                 "vs_incumbent": (m.tokens_per_s / inc.tokens_per_s) if inc else None}
+        self.state.evaluated[key] = entry
+        self.state.measurements = self.ev.measurements
+        self.state.save(self.state_path)
+        verdict = "ok" if m.valid else f"REJECTED ({m.rejected})"
+        self.progress(f"  measured {config}: {m.tokens_per_s:.1f} tok/s, tau {m.tau:.2f} -> {verdict}")
+        return m
+
+    def _speedup(self, m: Measurement) -> float:
+        return m.tokens_per_s / _m(self.state.ar).tokens_per_s
+
+    def _remember(self, m: Measurement):
+        if self.memory is None or not m.valid or m.forcing is None:
+            return
+        from specjax.memory.store import MemoryRecord, utc_now
+        stock = self.state.stock["config"] if self.state.stock else {}
+        pred = self.predict([m.config])
+        ar_pred = self.predict([AR_CONFIG])
+        record = MemoryRecord(
+            spec_name=self.spec.name, deployment=self.spec.deployment.fingerprint(), config=m.config,
+            config_delta={k: v for k, v in m.config.items() if stock.get(k) != v},
+            measured={"tokens_per_s": m.tokens_per_s, "speedup": self._speedup(m), "runs": len(m.runs),
+                      "device": m.device},
+            predicted={"tokens_per_s": float(pred["tokens_per_s"][0]),
+                       "speedup": float(pred["tokens_per_s"][0] / ar_pred["tokens_per_s"][0])},
+            forcing={k: m.forcing[k] for k in ("checked", "expected", "failures", "near_ties", "tolerance")},
+            git_commit=git_commit(), device=m.device, created=utc_now())
+        rec = self.memory.put(record)
+        if rec.record_id not in self.state.records:
+            self.state.records.append(rec.record_id)
+            self.state.save(self.state_path)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, resume: bool = False) -> SearchState:
+        start = time.monotonic()
+        if resume and self.state_path.exists():
+            self.state = SearchState.load(self.state_path)
+            self.progress(f"resuming at round {self.state.round} with {len(self.state.evaluated)} measured")
+        budget = self.spec.budget
+        if self.state.ar is None:
+            self.progress("measuring plain AR (the baseline every speedup is over)")
+            m, _ = self.ev.measure(AR_CONFIG, budget.runs)
+            if not m.valid:
+                raise RuntimeError(f"the AR baseline failed its floor gate: {m.rejected}")
+            self.state.ar = dataclasses.asdict(m)
+            self.state.save(self.state_path)
+        for c in self._variants():
+            v = drafter_variant(c)
+            if v not in self.state.profiles:
+                self.progress(f"acceptance pilot for {v}")
+                self.state.profiles[v] = self.ev.acceptance_profile(c).tolist()
+                self.state.save(self.state_path)
+        if self.state.stock is None:
+            self.progress(f"measuring stock {self.spec.stock}")
+            m = self._measure(self.spec.canonical(self.spec.stock), None)
+            self.state.stock = dataclasses.asdict(m)
+            # Not speculating is a valid answer too: plain AR competes when the space allows it.
+            ar = _m(self.state.ar)
+            ar_allowed = self.spec.is_valid(self.spec.canonical(AR_CONFIG))
+            base = m if m.valid and (not ar_allowed or m.tokens_per_s >= ar.tokens_per_s) else ar
+            self.state.incumbent = dataclasses.asdict(base)
+            self._remember(m)
+            self.state.save(self.state_path)
+
+        while self.state.round < budget.rounds:
+            if time.monotonic() - start + self.state.elapsed_s > budget.wall_clock_s:
+                self.progress("wall-clock budget spent")
+                break
+            self._round()
+        self.state.elapsed_s += time.monotonic() - start
+        self.state.save(self.state_path)
+        return self.state
+
+    def _round(self):
+        r = self.state.round
+        incumbent = _m(self.state.incumbent)
+        pred = self.predict([incumbent.config])
+        gaps = pred["component_gap"][0]
+        order = np.argsort(-gaps)
+        directions = [COMPONENTS[i] for i in order[:self.agents]]
+        while len(directions) < self.agents:  # more agents than components: share the largest gaps
+            directions.append(COMPONENTS[order[len(directions) % len(COMPONENTS)]])
+        self.progress(f"round {r}: incumbent {incumbent.config} {incumbent.tokens_per_s:.1f} tok/s "
+                      f"({self._speedup(incumbent):.2f}x AR); gaps " +
+                      ", ".join(f"{COMPONENTS[i]} {gaps[i] * 1e3:.2f} ms" for i in order))
+        seeds = []
+        if self.memory is not None and r == 0:
+            from specjax.memory.store import seed_configs
+            seeds = seed_configs(self.memory, self.spec.deployment.fingerprint())
+
+        def agent(i):
+            return self.proposer.propose(self.spec, incumbent.config, directions[i],
+                                         self.spec.budget.proposals_per_agent, r, i, seeds if i == 0 else ())
+        with ThreadPoolExecutor(max_workers=self.agents) as pool:
+            proposals = [c for batch in pool.map(agent, range(self.agents)) for c in batch]
+        candidates, seen = [], {config_key(incumbent.config)}
+        for c in proposals:
+            c = self.spec.canonical(c)
+            if self.spec.is_valid(c) and config_key(c) not in seen and self._profiled(c):
+                seen.add(config_key(c))
+                candidates.append(c)
+        winners = []
+        if candidates:
+            p = self.predict(candidates)
+            ranked = [candidates[i] for i in np.argsort(-p["tokens_per_s"])]
+            fresh = [c for c in ranked if config_key(c) not in self.state.evaluated]
+            for c in fresh[:self.spec.budget.measure_per_round]:
+                m = self._measure(c, incumbent.config)
+                gain = self.state.evaluated[config_key(c)]["vs_incumbent"]
+                if m.valid and gain is not None and gain > MIN_GAIN:
+                    winners.append(m)
+        winners = self._combine(winners, incumbent)
+        best = max(winners, key=lambda m: m.tokens_per_s, default=None)
+        if best is not None:
+            # re-measure the winner interleaved with the incumbent before promoting it
+            again, inc = self.ev.measure(best.config, self.spec.budget.runs, incumbent.config)
+            if again.tokens_per_s > inc.tokens_per_s * MIN_GAIN:
+                self.state.incumbent = dataclasses.asdict(best)
+                for w in winners:
+                    self._remember(w)
+            else:
+                self.progress(f"  {best.config} did not hold up when re-measured; incumbent kept")
+        if self.kernel_agent is not None:
+            self.kernel_agent(self)
+        inc_now = _m(self.state.incumbent)
+        self.state.history.append({
+            "round": r, "directions": directions, "proposals": len(proposals), "screened": len(candidates),
+            "measured": len(self.state.evaluated), "incumbent": inc_now.config,
+            "incumbent_tokens_per_s": inc_now.tokens_per_s, "speedup": self._speedup(inc_now),
+            "predicted_tokens_per_s": float(self.predict([inc_now.config])["tokens_per_s"][0]),
+            "ceiling_tokens_per_s": float(self.predict([inc_now.config])["ceiling_tokens_per_s"][0]),
+            "gaps_ms": {COMPONENTS[i]: float(gaps[i] * 1e3) for i in range(len(COMPONENTS))}})
+        self.state.round = r + 1
+        self.state.measurements = self.ev.measurements
+        self.state.save(self.state_path)
+
+    def _combine(self, winners: list[Measurement], incumbent: Measurement) -> list[Measurement]:
+        """Merge pairs of winners that changed disjoint parameters; measure the merge if valid."""
+        base = incumbent.config
+        out = list(winners)
+        for i in range(len(winners)):
+            for j in range(i + 1, len(winners)):
+                da = {k: v for k, v in winners[i].config.items() if base.get(k) != v}
+                db = {k: v for k, v in winners[j].config.items() if base.get(k) != v}
+                if set(da) & set(db):
+                    continue
+                merged = self.spec.canonical({**base, **da, **db})
+                if self.spec.is_valid(merged) and self._profiled(merged):
+                    m = self._measure(merged, base)
+                    if m.valid:
+                        out.append(m)
+        return out

@@ -1,0 +1,129 @@
+"""The mechanism registry: every engine mechanism the search can change, in one place.
+
+A mechanism registers its parameters (name, type, allowed values, stock default), the cost-model
+component it changes, and two functions: `features` (config -> numbers the vectorized cost model reads)
+and `apply` (config -> keyword changes to the engine build). Adding a mechanism is one registration here
+plus its terms in costmodel/model.py; specs, proposers and the loop pick it up from the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+COMPONENTS = ("verify", "draft", "commit")  # cost-model components, in report order
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDef:
+    name: str
+    kind: str  # categorical | int | float
+    values: tuple = ()  # allowed values (categorical), empty for numeric
+    low: float | None = None
+    high: float | None = None
+    default: Any = None
+    doc: str = ""
+    components: tuple[str, ...] = ()  # cost components this parameter moves (for directions)
+
+    def admits(self, value) -> bool:
+        if self.kind == "categorical":
+            return value in self.values
+        if self.kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            return False
+        if self.kind == "float" and not isinstance(value, (int, float)):
+            return False
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    name: str
+    params: tuple[ParamDef, ...]
+    component: str  # which cost component it changes (directions are chosen per component)
+    features: Callable[[dict], dict[str, float]]
+    apply: Callable[[dict], dict[str, Any]]
+    doc: str = ""
+
+
+class Registry:
+    def __init__(self):
+        self._mechanisms: dict[str, Mechanism] = {}
+
+    def register(self, mechanism: Mechanism) -> Mechanism:
+        if mechanism.name in self._mechanisms:
+            raise ValueError(f"mechanism {mechanism.name!r} registered twice")
+        self._mechanisms[mechanism.name] = mechanism
+        return mechanism
+
+    @property
+    def mechanisms(self) -> dict[str, Mechanism]:
+        return dict(self._mechanisms)
+
+    def params(self) -> dict[str, ParamDef]:
+        return {p.name: p for m in self._mechanisms.values() for p in m.params}
+
+    def params_for(self, component: str) -> list[str]:
+        """Parameters that move a cost component: what an agent given that direction may mutate."""
+        return [p.name for m in self._mechanisms.values() for p in m.params
+                if component in (p.components or (m.component,))]
+
+    def stock(self) -> dict:
+        return {name: p.default for name, p in self.params().items() if p.default is not None}
+
+    def features(self, config: dict) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in self._mechanisms.values():
+            out.update(m.features(config))
+        return out
+
+    def apply(self, config: dict) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for m in self._mechanisms.values():
+            out.update(m.apply(config))
+        return out
+
+
+REGISTRY = Registry()
+
+# ----------------------------------------------------------------------------- drafter
+
+DRAFTER_KINDS = ("none", "ngram", "layerskip")
+
+
+def _drafter_spelling(config: dict) -> str | None:
+    kind = config.get("drafter.kind", "none")
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return f"ngram:{config.get('drafter.ngram_max_n', 3)}"
+    return f"layerskip:{config['drafter.layers']}"
+
+
+def drafter_variant(config: dict) -> str:
+    """What determines per-position acceptance (k does not, for greedy chains): kind + its size."""
+    return _drafter_spelling(config) or "none"
+
+
+REGISTRY.register(Mechanism(
+    name="drafter",
+    params=(
+        ParamDef("drafter.kind", "categorical", DRAFTER_KINDS, default="none",
+                 doc="none (plain AR), ngram prompt lookup, or layerskip self-drafting",
+                 components=("draft", "verify", "commit")),
+        ParamDef("drafter.k", "int", low=1, high=32, doc="draft tokens per verify step",
+                 components=("draft", "verify", "commit")),
+        ParamDef("drafter.ngram_max_n", "int", low=1, high=8, doc="longest n-gram matched",
+                 components=("draft",)),
+        ParamDef("drafter.layers", "int", low=1, high=1024, doc="target layers the layer-skip drafter keeps",
+                 components=("draft",)),
+    ),
+    component="draft",
+    features=lambda c: {
+        "k": float(c.get("drafter.k", 0) if c.get("drafter.kind", "none") != "none" else 0),
+        "draft_kind": float(DRAFTER_KINDS.index(c.get("drafter.kind", "none"))),
+        "draft_layers": float(c.get("drafter.layers", 0)),
+    },
+    apply=lambda c: {"drafter": _drafter_spelling(c),
+                     "k": int(c.get("drafter.k", 0)) if c.get("drafter.kind", "none") != "none" else 0},
+    doc="which proposer drafts, and how many tokens per step",
+))

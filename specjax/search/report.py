@@ -1,0 +1,55 @@
+"""The search's output directory: results.json (everything measured) and report.md (the story)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specjax.atomic import write_json_atomic
+
+
+def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
+    ar = state.ar["tokens_per_s"]
+    stock, inc = state.stock, state.incumbent
+    rows = []
+    for key, e in state.evaluated.items():
+        m = e["measurement"]
+        rows.append({"config": m["config"], "round": e["round"], "tokens_per_s": m["tokens_per_s"],
+                     "speedup": m["tokens_per_s"] / ar, "tau": m["tau"], "rejected": m["rejected"],
+                     "forcing": m["forcing"], "device": m["device"]})
+    results = {
+        "spec": spec.name, "spec_path": spec.path, "deployment": spec.deployment.fingerprint(),
+        "measured_on": device_name, "cost_model_device": {"name": cost_device.name, "source": cost_device.source},
+        "ar_tokens_per_s": ar, "stock": {"config": stock["config"], "tokens_per_s": stock["tokens_per_s"],
+                                         "speedup": stock["tokens_per_s"] / ar, "rejected": stock["rejected"]},
+        "found": {"config": inc["config"], "tokens_per_s": inc["tokens_per_s"], "speedup": inc["tokens_per_s"] / ar},
+        "measurements": state.measurements, "rounds": state.history, "evaluated": rows,
+        "memory_records": state.records}
+    write_json_atomic(out / "results.json", results)
+    lines = [f"# Search report: {spec.name}", "",
+             f"Spec `{spec.path}`; measured on **{device_name}**; cost model ranked with "
+             f"**{cost_device.name}** numbers ({cost_device.source}).", ""]
+    if cost_device.name != device_name:
+        lines += [f"> The spec names hardware `{cost_device.name}` but this ran on `{device_name}`: "
+                  "rankings use the spec's numbers; every measured figure is from this device.", ""]
+    lines += ["| | config | tok/s | speedup over AR |", "|---|---|---|---|",
+              f"| AR | plain autoregressive | {ar:.1f} | 1.00x |",
+              f"| stock | `{json.dumps(stock['config'])}` | {stock['tokens_per_s']:.1f} | "
+              f"{stock['tokens_per_s'] / ar:.2f}x |",
+              f"| found | `{json.dumps(inc['config'])}` | {inc['tokens_per_s']:.1f} | {inc['tokens_per_s'] / ar:.2f}x |",
+              "", f"Measurements used: {state.measurements} (pilots included). Rounds: {len(state.history)}.", "",
+              "## Rounds", "", "| round | directions | screened | incumbent tok/s | predicted | ceiling |",
+              "|---|---|---|---|---|---|"]
+    for h in state.history:
+        lines.append(f"| {h['round']} | {', '.join(h['directions'])} | {h['screened']} | "
+                     f"{h['incumbent_tokens_per_s']:.1f} | {h['predicted_tokens_per_s']:.1f} | "
+                     f"{h['ceiling_tokens_per_s']:.1f} |")
+    lines += ["", "## Every measured candidate", "", "| round | config | tok/s | speedup | tau | verdict |",
+              "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
+        verdict = "validated" if r["rejected"] is None else "rejected: " + r["rejected"][:120]
+        lines.append(f"| {r['round']} | `{json.dumps(r['config'])}` | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['tau']:.2f} | {verdict} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

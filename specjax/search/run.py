@@ -1,0 +1,68 @@
+"""`specjax search SPEC`: load the spec, the target and the prompts, resolve the hardware, run the
+loop, write the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specjax.costmodel.hardware import current_device_name, resolve_hardware
+from specjax.errors import ConfigError
+from specjax.models.loading import load_model
+from specjax.prompts import humaneval_prompts, read_prompts_file
+from specjax.search.evaluate import Evaluator
+from specjax.search.loop import Search
+from specjax.search.proposers import make_proposer
+from specjax.search.report import write_report
+from specjax.search.spec import load_spec
+
+
+def spec_prompts(spec) -> list[str]:
+    d = spec.deployment
+    if d.prompt_source == "humaneval":
+        texts = humaneval_prompts(d.prompt_offset + d.prompt_n)[d.prompt_offset:]
+    else:
+        path = Path(d.prompt_file)
+        if not path.is_absolute():
+            path = Path(spec.path).parent / path
+        texts = read_prompts_file(str(path))[d.prompt_offset:d.prompt_offset + d.prompt_n]
+    if len(texts) < d.prompt_n:
+        raise ConfigError(f"{spec.path}: deployment.prompts asks for {d.prompt_n} prompts, found {len(texts)}")
+    return texts
+
+
+def run_search(spec_path: str, output: str | None = None, resume: bool = False, agents: int | None = None,
+               proposer: str | None = None, memory_dir: str = "memory_store", progress=print,
+               evaluator_factory=None):
+    from specjax.memory.store import MemoryStore
+
+    spec = load_spec(spec_path)
+    out = Path(output or spec.output)
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = current_device_name()
+    cost_device = resolve_hardware(spec.deployment.hardware, memory_dir)
+    same = cost_device.name == device_name or (cost_device.name.startswith("cpu") and device_name.startswith("cpu"))
+    if not same:
+        progress(f"note: {spec_path} names hardware {cost_device.name!r} but this machine is {device_name!r}: "
+                 f"candidates are ranked with {cost_device.name}'s numbers and measured on {device_name}; "
+                 "every figure is labeled with the device it came from")
+    target = load_model(spec.deployment.target, dtype=spec.deployment.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{spec_path}: target {spec.deployment.target!r} has no tokenizer")
+    prompts = [target.tokenizer.encode(t) for t in spec_prompts(spec)]
+    if same:  # ranking numbers for this very device: fit the fixed cost and skinny-matmul rate to the target
+        from specjax.costmodel.hardware import fit_to_target
+        cost_device = fit_to_target(cost_device, target.cfg, target.params)
+        progress(f"cost model: {cost_device.bandwidth / 1e9:.1f} GB/s, {cost_device.flops / 1e9:.1f} GFLOP/s "
+                 f"effective, {cost_device.step_overhead * 1e3:.2f} ms per forward ({cost_device.source})")
+    factory = evaluator_factory or Evaluator
+    evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
+                        spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
+    search = Search(spec, evaluator, make_proposer(spec, proposer), out, memory=MemoryStore(memory_dir),
+                    agents=agents, progress=progress)
+    state = search.run(resume=resume)
+    report = write_report(out, spec, state, device_name, cost_device)
+    ar = state.ar["tokens_per_s"]
+    progress(f"done: stock {state.stock['tokens_per_s'] / ar:.2f}x, found {state.incumbent['config']} "
+             f"{state.incumbent['tokens_per_s'] / ar:.2f}x over AR ({ar:.1f} tok/s on {device_name}); "
+             f"{state.measurements} measurements; report {report}")
+    return state

@@ -1,0 +1,65 @@
+"""The cost model against hand-computed cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.costmodel.hardware import DeviceModel
+from specjax.costmodel.model import KMAX, ModelDims, conditional_acceptance, expected_tokens, predict
+
+DEV = DeviceModel("test", bandwidth=1e9, flops=1e10, step_overhead=1e-3, round_overhead=2e-3,
+                  peak_bandwidth=2e9, peak_flops=2e10)
+# 1 MB per layer, 10 layers, 2 MB head, no KV: a full forward reads 12 MB
+DIMS = ModelDims(layer_bytes=1e6, head_bytes=2e6, layer_flops=1e6, head_flops=2e6, kv_bytes_per_slot=0.0,
+                 attn_flops_per_slot=0.0, num_layers=10, num_slots=64)
+
+
+def alpha(a):
+    return np.full((1, KMAX), a)
+
+
+def test_ar_step_is_weights_over_bandwidth_plus_fixed_costs():
+    p = predict(DIMS, DEV, [0], [0], [0], alpha(0.0))
+    verify = 1e-3 + 12e6 / 1e9  # flops 12e6 / 1e10 = 1.2 ms < 12 ms: memory-bound
+    assert p["component_time"][0, 0] == pytest.approx(verify)
+    assert p["step_time"][0] == pytest.approx(verify + 1e-3)  # AR commit = half a round overhead
+    assert p["tokens_per_s"][0] == pytest.approx(1 / (verify + 1e-3))
+    assert p["ceiling_tokens_per_s"][0] == pytest.approx(1 / (12e6 / 2e9))
+
+
+def test_wide_verify_turns_compute_bound():
+    # k = 15: 16 tokens x 12 MFLOP = 192 MFLOP / 1e10 = 19.2 ms > 12 ms of weight reads
+    p = predict(DIMS, DEV, [15], [1], [0], alpha(0.5))
+    assert p["component_time"][0, 0] == pytest.approx(1e-3 + 19.2e-3)
+    assert p["component_floor"][0, 0] == pytest.approx(max(12e6 / 2e9, 192e6 / 2e10))
+
+
+def test_chain_expected_tokens_matches_closed_form():
+    for a, k in [(0.6, 4), (0.8, 8), (0.9, 3)]:
+        closed = (1 - a ** (k + 1)) / (1 - a)
+        assert float(expected_tokens(np.full(KMAX, a), k)) == pytest.approx(closed, rel=1e-5)
+
+
+def test_layer_skip_draft_cost_and_gaps():
+    # K = 2 layers: each drafter forward reads 2 MB + 2 MB head = 4 ms + 1 ms fixed; k = 3 -> 3 forwards
+    p = predict(DIMS, DEV, [3], [2], [2], alpha(1.0))
+    assert p["component_time"][0, 1] == pytest.approx(3 * (1e-3 + 4e6 / 1e9))
+    assert p["tokens_per_step"][0] == pytest.approx(4.0)
+    gap = p["component_time"][0] - p["component_floor"][0]
+    assert np.allclose(p["component_gap"][0], gap)
+    assert p["component_floor"][0, 2] == 0.0  # commit has no physical floor
+
+
+def test_vectorized_over_many_candidates():
+    C = 4096
+    rng = np.random.default_rng(0)
+    k = rng.integers(1, 9, C)
+    p = predict(DIMS, DEV, k, np.ones(C, int), np.zeros(C), rng.uniform(0, 1, (C, KMAX)))
+    assert p["tokens_per_s"].shape == (C,) and np.all(p["tokens_per_s"] <= p["ceiling_tokens_per_s"])
+
+
+def test_conditional_acceptance():
+    a = conditional_acceptance([0.5, 0.25, 0.125])
+    assert np.allclose(a[:4], [0.5, 0.5, 0.5, 0.5])
+    assert conditional_acceptance([0.0, 0.0])[:2].tolist() == [0.0, 0.0]
