@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", help="output directory (default: the spec's `output`)")
     s.add_argument("--resume", action="store_true", help="continue a killed search from its state.json")
     s.add_argument("--agents", type=int, help="parallel proposing agents (default: the spec's budget)")
-    s.add_argument("--proposer", choices=["offline", "replay"], help="override the spec's proposer")
+    s.add_argument("--proposer", choices=["offline", "gemini", "replay"], help="override the spec's proposer")
     s.add_argument("--memory", default="memory_store", help="memory store directory")
     s.set_defaults(func=cmd_search)
 

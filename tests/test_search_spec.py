@@ -76,8 +76,3 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_spec(write(tmp_path, "a: 1\nb: [1,\n"))
     with pytest.raises(ConfigError, match="not found"):
         load_spec(str(tmp_path / "none.yaml"))
-
-
-def test_gemini_is_not_built_yet(tmp_path):
-    with pytest.raises(NotImplementedError, match="gemini"):
-        load_spec(write(tmp_path, GOOD + "proposer: {kind: gemini}\n"))

@@ -4,7 +4,7 @@ a large gap) and returns configs; the loop validates every proposal against the 
 - offline (default, no network): local search around the incumbent on the parameters that move the
   direction's component, plus a little random exploration, plus configs seeded from memory records.
 - replay: configs read from a JSON file ({"rounds": [[config, ...], ...]}), for tests and reruns.
-- gemini: not built yet (it needs the optional `google-genai` extra and a JSON-schema contract).
+- gemini: a Gemini model through `google-genai` (search/gemini.py), answers validated like user input.
 """
 
 from __future__ import annotations
@@ -73,5 +73,7 @@ def make_proposer(spec: SearchSpec, kind: str | None = None):
             raise ConfigError(f"{spec.path}: proposer.replay_file is required for the replay proposer")
         return ReplayProposer(path)
     if kind == "gemini":
-        raise NotImplementedError("the gemini proposer is not implemented yet; use proposer: offline")
+        from specjax.search.gemini import GeminiProposer
+        return GeminiProposer(model=spec.proposer_options.get("model", "gemini-2.5-flash"),
+                              seed=int(spec.proposer_options.get("seed", 0)))
     raise ConfigError(f"unknown proposer {kind!r}")

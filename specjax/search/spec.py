@@ -24,7 +24,7 @@ DEPLOYMENT_KEYS = {"target", "dtype", "hardware", "batch", "prompts", "max_new_t
 PROMPT_SOURCES = ("humaneval", "file")
 HARDWARE_KEYS = {"name", "bandwidth_GBps", "peak_tflops", "step_overhead_us"}
 BUDGET_KEYS = {"rounds", "agents", "proposals_per_agent", "measure_per_round", "runs", "wall_clock_s"}
-PROPOSERS = ("offline", "replay")  # gemini: not built yet
+PROPOSERS = ("offline", "gemini", "replay")
 PROPOSER_KEYS = {"kind", "seed", "model", "replay_file"}
 GATES_KEYS = {"forcing_tolerance", "floor_tolerance"}
 PARAM_KEYS = {"type", "values", "range", "step", "log", "when"}
@@ -383,9 +383,6 @@ def _proposer(ctx: _Ctx, raw: LineDict):
         p.line, p.key_lines = raw.line_of("proposer"), {}
     p = ctx.mapping(p, "proposer", raw.line_of("proposer"), PROPOSER_KEYS)
     kind = ctx.typed(p, "kind", str, "proposer.", "offline")
-    if kind == "gemini":
-        raise NotImplementedError(f"{ctx.path}:{p.line_of('kind')}: proposer.kind: the gemini proposer "
-                                  "is not built yet; use offline or replay")
     if kind not in PROPOSERS:
         ctx.err(p.line_of("kind"), "proposer.kind", f"unknown proposer {kind!r} (known: {', '.join(PROPOSERS)})")
     return kind, {k: v for k, v in p.items() if k != "kind"}
