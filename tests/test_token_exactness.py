@@ -43,12 +43,53 @@ def smollm2_case(smollm2):
     return smollm2, prompts, gen, reference
 
 
+def save_as_hf_directory(model, num_layers, path):
+    """Write the first `num_layers` layers of a loaded model as a transformers-style checkpoint
+    directory: a separate small model with the target's vocabulary, loaded back through PATH."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    cfg = model.cfg
+    tensors = {"model.embed_tokens.weight": np.asarray(model.params.embed),
+               "model.norm.weight": np.asarray(model.params.final_norm)}
+    q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for i, lp in enumerate(model.params.layers[:num_layers]):
+        pre = f"model.layers.{i}."
+        w_qkv, w_gu = np.asarray(lp.w_qkv), np.asarray(lp.w_gate_up)
+        tensors.update({
+            pre + "input_layernorm.weight": np.asarray(lp.attn_norm),
+            pre + "post_attention_layernorm.weight": np.asarray(lp.mlp_norm),
+            pre + "self_attn.q_proj.weight": w_qkv[:, :q].T.copy(),
+            pre + "self_attn.k_proj.weight": w_qkv[:, q:q + kv].T.copy(),
+            pre + "self_attn.v_proj.weight": w_qkv[:, q + kv:].T.copy(),
+            pre + "self_attn.o_proj.weight": np.asarray(lp.w_o).T.copy(),
+            pre + "mlp.gate_proj.weight": w_gu[:, :F].T.copy(),
+            pre + "mlp.up_proj.weight": w_gu[:, F:].T.copy(),
+            pre + "mlp.down_proj.weight": np.asarray(lp.w_down).T.copy()})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": F, "num_hidden_layers": num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": True}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_drafter_dir(smollm2, tmp_path_factory):
+    return save_as_hf_directory(smollm2, 6, tmp_path_factory.mktemp("smollm2-6layers"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("drafter", ["ngram", "layerskip:10"])
-def test_smollm2_humaneval_chain_equals_ar(smollm2_case, drafter, k):
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip:10", "small-model"])
+def test_smollm2_humaneval_chain_equals_ar(smollm2_case, small_drafter_dir, drafter, k):
     model, prompts, gen, reference = smollm2_case
-    dec = Decoder(model.cfg, model.params, gen, make_drafter(drafter, model, k))
+    spelling = str(small_drafter_dir) if drafter == "small-model" else drafter
+    dec = Decoder(model.cfg, model.params, gen, make_drafter(spelling, model, k))
     free, report = assert_exact(dec, prompts, reference)
     assert report.checked == sum(len(t) for t in reference.tokens)
     assert free.tau >= 1.0
