@@ -137,6 +137,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     t_start = time.perf_counter()
+    machine = machine_info()  # at the start: the commit and date of the code being run
 
     m = load_model("smollm2-135m")
     prompts = [m.tokenizer.encode(t) for t in humaneval_prompts(args.prompts)]
@@ -185,7 +186,7 @@ def main():
                  transformers_eos="generation_config.eos_token_id=None (no stop, no EOS suppression)",
                  specjax_ar_outputs_containing_eos=eos_in_ar, main_run_cpu_ticks=steal,
                  wall_s=time.perf_counter() - t_start)
-    result = dict(machine=machine_info(), setup=setup, layerskip_pilot=pilot, layerskip_K=best_K, rows=rows)
+    result = dict(machine=machine, setup=setup, layerskip_pilot=pilot, layerskip_K=best_K, rows=rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_smollm2.json").write_text(json.dumps(result, indent=2) + "\n")
