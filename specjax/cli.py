@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--agents", type=int, help="parallel proposing agents (default: the spec's budget)")
     s.add_argument("--proposer", choices=["offline", "gemini", "replay"], help="override the spec's proposer")
     s.add_argument("--memory", default="memory_store", help="memory store directory")
+    s.add_argument("--evaluator", choices=["inprocess", "subprocess", "ray"],
+                   help="override the spec's evaluator.kind (subprocess/ray: one worker per GPU, hard timeouts)")
+    s.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")
     s.set_defaults(func=cmd_search)
 
     from specjax.memory.cli import add_memory_parser
@@ -115,8 +118,10 @@ def cmd_search(args) -> int:
 
     if args.agents is not None and args.agents < 1:
         raise ConfigError(f"--agents must be >= 1, got {args.agents}")
-    run_search(args.spec, output=args.output, resume=args.resume, agents=args.agents,
-               proposer=args.proposer, memory_dir=args.memory)
+    from specjax.search.progress import LiveProgress
+    with LiveProgress(force_plain=args.plain) as progress:
+        run_search(args.spec, output=args.output, resume=args.resume, agents=args.agents,
+                   proposer=args.proposer, memory_dir=args.memory, progress=progress, evaluator=args.evaluator)
     return 0
 
 

@@ -24,7 +24,7 @@ from specjax.drafters.factory import make_drafter
 from specjax.engine import Decoder
 from specjax.forcing import check_token_forcing
 from specjax.models.loading import LoadedModel
-from specjax.search.registry import DRAFTER_KINDS, REGISTRY
+from specjax.search.registry import DRAFTER_KINDS, REGISTRY, drafter_variant
 
 
 @dataclasses.dataclass
@@ -45,10 +45,16 @@ class Measurement:
     def valid(self) -> bool:
         return self.rejected is None
 
+    @staticmethod
+    def failed(config: dict, reason: str, device: str) -> "Measurement":
+        """A candidate that produced no measurement (crashed, hung and killed): rejected, never a win."""
+        return Measurement(config=dict(config), tokens_per_s=0.0, runs=[], tokens=0, tau=0.0,
+                           acceptance_rates=[], floor_s=0.0, run_s=0.0, device=device,
+                           rejected=reason)
+
 
 def candidate_arrays(configs: list[dict], profiles: dict[str, np.ndarray]):
     """Configs -> the cost model's per-candidate arrays (k, kind, layers, alpha)."""
-    from specjax.search.registry import drafter_variant
     k, kind, layers, alpha = [], [], [], []
     for c in configs:
         f = REGISTRY.features(c)
@@ -59,35 +65,17 @@ def candidate_arrays(configs: list[dict], profiles: dict[str, np.ndarray]):
     return np.array(k), np.array(kind), np.array(layers), np.stack(alpha)
 
 
-class Evaluator:
+class Plan:
+    """What the loop needs to know about a deployment without running anything: the cost model's
+    dimensions and every candidate's physical floor. Shared by in-process and remote evaluators."""
+
     def __init__(self, target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, device,
-                 device_name: str, forcing_tolerance: float = 1e-3, floor_tolerance: float = 0.1,
-                 timer: Callable[[], float] = time.perf_counter,
-                 build_decoder: Callable[[dict], Decoder] | None = None, batch: int = 1):
+                 device_name: str):
         self.target, self.prompts = target, prompts
-        # the deployment's batch size: a run serves the prompts `batch` at a time
-        self.batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         stops = target.tokenizer.eos_ids if target.tokenizer else ()
         self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=tuple(stops))
         self.device, self.device_name = device, device_name  # cost-model numbers, and what runs here
-        self.forcing_tolerance, self.floor_tolerance = forcing_tolerance, floor_tolerance
-        self.timer = timer
-        self.build_decoder = build_decoder or self._build
-        self._decoders: dict[str, Decoder] = {}
-        ar = Decoder(target.cfg, target.params, self.gen)
-        self.references = [ar.generate(b) for b in self.batches]
         self.measurements = 0
-
-    def _build(self, config: dict) -> Decoder:
-        kw = REGISTRY.apply(config)
-        drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], self.target, kw["k"])
-        return Decoder(self.target.cfg, self.target.params, self.gen, drafter)
-
-    def decoder(self, config: dict) -> Decoder:
-        key = repr(sorted(config.items()))
-        if key not in self._decoders:
-            self._decoders[key] = self.build_decoder(config)
-        return self._decoders[key]
 
     def dims(self, k: int) -> ModelDims:
         bucket = prompt_bucket(max(len(p) for p in self.prompts))
@@ -102,6 +90,46 @@ class Evaluator:
         p = predict(self.dims(k), self.device, [k], [kind], [f["draft_layers"]], best_alpha)
         steps = np.ceil(tokens / (k + 1 if kind else 1))
         return float(steps * p["floor_time"][0])
+
+    def evaluate_many(self, jobs: list[tuple[dict, int, dict | None]]) -> list[tuple[Measurement, Measurement | None]]:
+        """Measure and gate several candidates; remote evaluators run them in parallel."""
+        return [self.evaluate(*job) for job in jobs]
+
+    def evaluate(self, config: dict, runs: int, incumbent: dict | None = None):
+        m, inc = self.measure(config, runs, incumbent)
+        return self.gate(m), inc
+
+    def close(self):
+        """Release workers (nothing to release in-process)."""
+
+
+class Evaluator(Plan):
+    """Measures candidates in this process, on this process's device."""
+
+    def __init__(self, target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, device,
+                 device_name: str, forcing_tolerance: float = 1e-3, floor_tolerance: float = 0.1,
+                 timer: Callable[[], float] = time.perf_counter,
+                 build_decoder: Callable[[dict], Decoder] | None = None, batch: int = 1):
+        super().__init__(target, prompts, max_new_tokens, device, device_name)
+        # the deployment's batch size: a run serves the prompts `batch` at a time
+        self.batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        self.forcing_tolerance, self.floor_tolerance = forcing_tolerance, floor_tolerance
+        self.timer = timer
+        self.build_decoder = build_decoder or self._build
+        self._decoders: dict[str, Decoder] = {}
+        ar = Decoder(target.cfg, target.params, self.gen)
+        self.references = [ar.generate(b) for b in self.batches]
+
+    def _build(self, config: dict) -> Decoder:
+        kw = REGISTRY.apply(config)
+        drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], self.target, kw["k"])
+        return Decoder(self.target.cfg, self.target.params, self.gen, drafter)
+
+    def decoder(self, config: dict) -> Decoder:
+        key = repr(sorted(config.items()))
+        if key not in self._decoders:
+            self._decoders[key] = self.build_decoder(config)
+        return self._decoders[key]
 
     def _run_once(self, dec: Decoder, seed: int):
         """One timed pass over every prompt -> (seconds, generated tokens, tau, acceptance rates)."""
@@ -176,4 +204,4 @@ class Evaluator:
         return conditional_acceptance(rates)
 
 
-__all__ = ["Evaluator", "Measurement", "candidate_arrays", "DRAFTER_KINDS"]
+__all__ = ["Plan", "Evaluator", "Measurement", "candidate_arrays", "DRAFTER_KINDS"]

@@ -80,6 +80,7 @@ class Search:
         self.memory, self.progress, self.kernel_agent = memory, progress, kernel_agent
         self.agents = agents or spec.budget.agents
         self.state = SearchState()
+        self._start = time.monotonic()
 
     # ------------------------------------------------------------------ cost model
 
@@ -108,19 +109,37 @@ class Search:
     # ------------------------------------------------------------------ measuring
 
     def _measure(self, config: dict, incumbent: dict | None) -> Measurement:
-        key = config_key(config)
-        if key in self.state.evaluated:
-            return _m(self.state.evaluated[key]["measurement"])
-        m, inc = self.ev.measure(config, self.spec.budget.runs, incumbent)
-        m = self.ev.gate(m)
-        entry = {"measurement": dataclasses.asdict(m), "round": self.state.round,
-                 "vs_incumbent": (m.tokens_per_s / inc.tokens_per_s) if inc else None}
-        self.state.evaluated[key] = entry
-        self.state.measurements = self.ev.measurements
-        self.state.save(self.state_path)
-        verdict = "ok" if m.valid else f"REJECTED ({m.rejected})"
-        self.progress(f"  measured {config}: {m.tokens_per_s:.1f} tok/s, tau {m.tau:.2f} -> {verdict}")
-        return m
+        return self._measure_many([config], incumbent)[0]
+
+    def _measure_many(self, configs: list[dict], incumbent: dict | None) -> list[Measurement]:
+        """Measure + gate the configs not measured yet (in parallel where the evaluator has several
+        workers), record each in the state as it lands, and return every config's measurement."""
+        fresh = [c for c in configs if config_key(c) not in self.state.evaluated]
+        self._status("measuring")
+        results = self.ev.evaluate_many([(c, self.spec.budget.runs, incumbent) for c in fresh])
+        predicted = self.predict(fresh)["tokens_per_s"] if fresh else []
+        for c, (m, inc), pred in zip(fresh, results, predicted):
+            entry = {"measurement": dataclasses.asdict(m), "round": self.state.round,
+                     "vs_incumbent": (m.tokens_per_s / inc.tokens_per_s) if inc and m.valid else None,
+                     "predicted_tokens_per_s": float(pred)}
+            self.state.evaluated[config_key(c)] = entry
+            self.state.measurements = self.ev.measurements
+            self.state.save(self.state_path)
+            verdict = "ok" if m.valid else f"REJECTED ({m.rejected})"
+            self.progress(f"  measured {c}: {m.tokens_per_s:.1f} tok/s, tau {m.tau:.2f} -> {verdict}")
+        self._status("screening")
+        return [_m(self.state.evaluated[config_key(c)]["measurement"]) for c in configs]
+
+    def _status(self, phase: str):
+        """Feed a live display (progress objects with a `status` method); plain callables get lines only."""
+        status = getattr(self.progress, "status", None)
+        if status is None or self.state.ar is None:
+            return
+        inc = self.state.incumbent
+        status({"round": self.state.round, "rounds": self.spec.budget.rounds,
+                "measurements": self.ev.measurements, "incumbent": inc["config"] if inc else {},
+                "speedup": self._speedup(_m(inc)) if inc else 1.0, "best_predicted": None,
+                "elapsed_s": self.state.elapsed_s + time.monotonic() - self._start, "phase": phase})
 
     def _speedup(self, m: Measurement) -> float:
         return m.tokens_per_s / _m(self.state.ar).tokens_per_s
@@ -149,7 +168,7 @@ class Search:
     # ------------------------------------------------------------------ the loop
 
     def run(self, resume: bool = False) -> SearchState:
-        start = time.monotonic()
+        start = self._start = time.monotonic()
         if resume and self.state_path.exists():
             self.state = SearchState.load(self.state_path)
             self.progress(f"resuming at round {self.state.round} with {len(self.state.evaluated)} measured")
@@ -221,8 +240,8 @@ class Search:
             p = self.predict(candidates)
             ranked = [candidates[i] for i in np.argsort(-p["tokens_per_s"])]
             fresh = [c for c in ranked if config_key(c) not in self.state.evaluated]
-            for c in fresh[:self.spec.budget.measure_per_round]:
-                m = self._measure(c, incumbent.config)
+            chosen = fresh[:self.spec.budget.measure_per_round]
+            for c, m in zip(chosen, self._measure_many(chosen, incumbent.config)):
                 gain = self.state.evaluated[config_key(c)]["vs_incumbent"]
                 if m.valid and gain is not None and gain > MIN_GAIN:
                     winners.append(m)
@@ -231,7 +250,7 @@ class Search:
         if best is not None:
             # re-measure the winner interleaved with the incumbent before promoting it
             again, inc = self.ev.measure(best.config, self.spec.budget.runs, incumbent.config)
-            if again.tokens_per_s > inc.tokens_per_s * MIN_GAIN:
+            if inc is not None and again.valid and again.tokens_per_s > inc.tokens_per_s * MIN_GAIN:
                 self.state.incumbent = dataclasses.asdict(best)
                 for w in winners:
                     self._remember(w)

@@ -16,7 +16,8 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
         m = e["measurement"]
         rows.append({"config": m["config"], "round": e["round"], "tokens_per_s": m["tokens_per_s"],
                      "speedup": m["tokens_per_s"] / ar, "tau": m["tau"], "rejected": m["rejected"],
-                     "forcing": m["forcing"], "device": m["device"]})
+                     "forcing": m["forcing"], "device": m["device"],
+                     "predicted_tokens_per_s": e.get("predicted_tokens_per_s")})
     results = {
         "spec": spec.name, "spec_path": spec.path, "deployment": spec.deployment.fingerprint(),
         "measured_on": device_name, "cost_model_device": {"name": cost_device.name, "source": cost_device.source},
@@ -25,7 +26,16 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
         "found": {"config": inc["config"], "tokens_per_s": inc["tokens_per_s"], "speedup": inc["tokens_per_s"] / ar},
         "measurements": state.measurements, "rounds": state.history, "evaluated": rows,
         "memory_records": state.records}
+    from specjax.search.plots import median_relative_error, spearman, write_plots
+    fit = [(r["predicted_tokens_per_s"], r["tokens_per_s"]) for r in rows
+           if r["predicted_tokens_per_s"] is not None and r["rejected"] is None]
+    def finite(x):
+        return None if x is None or x != x else x
+    results["cost_model_fidelity"] = {
+        "configs": len(fit), "median_relative_error": finite(median_relative_error(*zip(*fit)) if fit else None),
+        "spearman": finite(spearman(*zip(*fit)) if len(fit) > 1 else None)}
     write_json_atomic(out / "results.json", results)
+    plots = write_plots(out, results)
     lines = [f"# Search report: {spec.name}", "",
              f"Spec `{spec.path}`; measured on **{device_name}**; cost model ranked with "
              f"**{cost_device.name}** numbers ({cost_device.source}).", ""]
@@ -38,6 +48,8 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
               f"{stock['tokens_per_s'] / ar:.2f}x |",
               f"| found | `{json.dumps(inc['config'])}` | {inc['tokens_per_s']:.1f} | {inc['tokens_per_s'] / ar:.2f}x |",
               "", f"Measurements used: {state.measurements} (pilots included). Rounds: {len(state.history)}.", "",
+              "Cost model on the validated candidates: " + _fidelity_text(results["cost_model_fidelity"]), "",
+              *[f"![{p.stem}]({p.name})" for p in plots], "",
               "## Rounds", "", "| round | directions | screened | incumbent tok/s | predicted | ceiling |",
               "|---|---|---|---|---|---|"]
     for h in state.history:
@@ -53,3 +65,11 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _fidelity_text(f: dict) -> str:
+    if not f["configs"] or f["median_relative_error"] is None:
+        return "no validated candidate to compare."
+    rho = "n/a" if f["spearman"] is None else f"{f['spearman']:.2f}"
+    return (f"median relative error {f['median_relative_error'] * 100:.1f}%, Spearman {rho} "
+            f"over {f['configs']} configs (predicted vs measured tok/s).")

@@ -3,6 +3,8 @@ loop, write the report."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 from specjax.costmodel.hardware import current_device_name, resolve_hardware
@@ -30,12 +32,28 @@ def spec_prompts(spec) -> list[str]:
     return texts
 
 
+def load_deployment(spec):
+    """The spec's target and its tokenized prompts (the search process and every worker do this)."""
+    target = load_model(spec.deployment.target, dtype=spec.deployment.dtype)
+    if target.tokenizer is None:
+        raise ConfigError(f"{spec.path}: target {spec.deployment.target!r} has no tokenizer")
+    return target, [target.tokenizer.encode(t) for t in spec_prompts(spec)]
+
+
 def run_search(spec_path: str, output: str | None = None, resume: bool = False, agents: int | None = None,
                proposer: str | None = None, memory_dir: str = "memory_store", progress=print,
-               evaluator_factory=None):
+               evaluator_factory=None, evaluator: str | None = None):
+    """evaluator_factory: a callable with Evaluator's signature (in-process only) or a
+    'package.module:attr' path (any evaluator kind; workers import it); evaluator: override the
+    spec's evaluator.kind."""
     from specjax.memory.store import MemoryStore
 
     spec = load_spec(spec_path)
+    if evaluator is not None:
+        spec = dataclasses.replace(spec, evaluator=dataclasses.replace(spec.evaluator, kind=evaluator))
+    remote = spec.evaluator.kind != "inprocess"
+    if remote:  # workers share the GPUs with this process: nobody may grab most of a GPU up front
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = Path(output or spec.output)
     out.mkdir(parents=True, exist_ok=True)
     device_name = current_device_name()
@@ -45,21 +63,32 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
         progress(f"note: {spec_path} names hardware {cost_device.name!r} but this machine is {device_name!r}: "
                  f"candidates are ranked with {cost_device.name}'s numbers and measured on {device_name}; "
                  "every figure is labeled with the device it came from")
-    target = load_model(spec.deployment.target, dtype=spec.deployment.dtype)
-    if target.tokenizer is None:
-        raise ConfigError(f"{spec_path}: target {spec.deployment.target!r} has no tokenizer")
-    prompts = [target.tokenizer.encode(t) for t in spec_prompts(spec)]
+    target, prompts = load_deployment(spec)
     if same:  # ranking numbers for this very device: fit the fixed cost and skinny-matmul rate to the target
         from specjax.costmodel.hardware import fit_to_target
         cost_device = fit_to_target(cost_device, target.cfg, target.params)
         progress(f"cost model: {cost_device.bandwidth / 1e9:.1f} GB/s, {cost_device.flops / 1e9:.1f} GFLOP/s "
                  f"effective, {cost_device.step_overhead * 1e3:.2f} ms per forward ({cost_device.source})")
-    factory = evaluator_factory or Evaluator
-    evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
-                        spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
+    if remote:
+        from specjax.search.workers import remote_evaluator
+        if evaluator_factory is not None and not isinstance(evaluator_factory, str):
+            raise ValueError("an out-of-process evaluator needs the factory as a 'package.module:attr' path")
+        evaluator = remote_evaluator(spec, target, prompts, cost_device, device_name, out, evaluator_factory)
+        progress(f"evaluator: {spec.evaluator.kind}, {len(evaluator.handles)} workers, "
+                 f"{spec.evaluator.timeout_s:.0f} s per candidate")
+    else:
+        factory = evaluator_factory or Evaluator
+        if isinstance(factory, str):
+            from specjax.search.workers import resolve_factory
+            factory = resolve_factory(factory)
+        evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
+                            spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
     search = Search(spec, evaluator, make_proposer(spec, proposer), out, memory=MemoryStore(memory_dir),
                     agents=agents, progress=progress)
-    state = search.run(resume=resume)
+    try:
+        state = search.run(resume=resume)
+    finally:
+        evaluator.close()
     report = write_report(out, spec, state, device_name, cost_device)
     ar = state.ar["tokens_per_s"]
     progress(f"done: stock {state.stock['tokens_per_s'] / ar:.2f}x, found {state.incumbent['config']} "

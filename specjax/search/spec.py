@@ -19,7 +19,7 @@ from specjax.search.registry import REGISTRY, Registry
 from specjax.search.yaml_lines import LineDict, load_yaml
 
 TOP_KEYS = {"version", "name", "deployment", "stock", "space", "constraints", "budget", "proposer",
-            "gates", "output"}
+            "gates", "evaluator", "output"}
 DEPLOYMENT_KEYS = {"target", "dtype", "hardware", "batch", "prompts", "max_new_tokens", "sampling"}
 PROMPT_SOURCES = ("humaneval", "file")
 HARDWARE_KEYS = {"name", "bandwidth_GBps", "peak_tflops", "step_overhead_us"}
@@ -27,6 +27,8 @@ BUDGET_KEYS = {"rounds", "agents", "proposals_per_agent", "measure_per_round", "
 PROPOSERS = ("offline", "gemini", "replay")
 PROPOSER_KEYS = {"kind", "seed", "model", "replay_file"}
 GATES_KEYS = {"forcing_tolerance", "floor_tolerance"}
+EVALUATOR_KINDS = ("inprocess", "subprocess", "ray")
+EVALUATOR_KEYS = {"kind", "workers", "timeout_s", "startup_timeout_s", "ray_address"}
 PARAM_KEYS = {"type", "values", "range", "step", "log", "when"}
 
 
@@ -109,6 +111,17 @@ class Budget:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluatorSpec:
+    """Where candidates are measured: in this process, one subprocess per GPU, or Ray actors (one GPU
+    each). Out-of-process evaluators enforce `timeout_s` per candidate: a hung one is killed and failed."""
+    kind: str = "inprocess"
+    workers: int = 0  # 0: one per visible GPU (one on a CPU-only machine)
+    timeout_s: float = 900.0
+    startup_timeout_s: float = 900.0  # loading the target and the AR references in a fresh worker
+    ray_address: str | None = None  # None: start a local Ray instance
+
+
+@dataclasses.dataclass(frozen=True)
 class SearchSpec:
     path: str
     name: str
@@ -122,6 +135,7 @@ class SearchSpec:
     forcing_tolerance: float = 1e-3
     floor_tolerance: float = 0.1
     output: str = "runs/search"
+    evaluator: EvaluatorSpec = EvaluatorSpec()
 
     def canonical(self, config: dict) -> dict:
         """Keep only active parameters; parents are declared before children, so one pass does."""
@@ -218,7 +232,8 @@ def load_spec(path: str, registry: Registry = REGISTRY) -> SearchSpec:
     forcing_tol = float(ctx.typed(gates, "forcing_tolerance", (int, float), "gates.", 1e-3))
     floor_tol = float(ctx.typed(gates, "floor_tolerance", (int, float), "gates.", 0.1))
     output = ctx.typed(raw, "output", str, "", f"runs/{name}")
-    spec = SearchSpec(path=str(path), name=name, deployment=deployment, stock=stock, space=space,
+    evaluator = _evaluator(ctx, raw)
+    spec = SearchSpec(evaluator=evaluator, path=str(path), name=name, deployment=deployment, stock=stock, space=space,
                       constraints=tuple(constraints), budget=budget, proposer=kind, proposer_options=options,
                       forcing_tolerance=forcing_tol, floor_tolerance=floor_tol, output=output)
     _check_satisfiable(ctx, raw, spec)
@@ -386,6 +401,31 @@ def _proposer(ctx: _Ctx, raw: LineDict):
     if kind not in PROPOSERS:
         ctx.err(p.line_of("kind"), "proposer.kind", f"unknown proposer {kind!r} (known: {', '.join(PROPOSERS)})")
     return kind, {k: v for k, v in p.items() if k != "kind"}
+
+
+def _evaluator(ctx: _Ctx, raw: LineDict) -> EvaluatorSpec:
+    e = raw.get("evaluator", LineDict())
+    if isinstance(e, str):
+        e = LineDict({"kind": e})
+        e.line, e.key_lines = raw.line_of("evaluator"), {}
+    e = ctx.mapping(e, "evaluator", raw.line_of("evaluator"), EVALUATOR_KEYS)
+    d = EvaluatorSpec()
+    kind = ctx.typed(e, "kind", str, "evaluator.", d.kind)
+    if kind not in EVALUATOR_KINDS:
+        ctx.err(e.line_of("kind"), "evaluator.kind",
+                f"unknown evaluator {kind!r} (known: {', '.join(EVALUATOR_KINDS)})")
+    workers = ctx.typed(e, "workers", int, "evaluator.", 0)
+    if workers < 0:
+        ctx.err(e.line_of("workers"), "evaluator.workers", f"must be >= 0 (0: one per GPU), got {workers}")
+    address = ctx.typed(e, "ray_address", str, "evaluator.", None)
+    if address is not None and kind != "ray":
+        ctx.err(e.line_of("ray_address"), "evaluator.ray_address", "only applies to evaluator.kind: ray")
+    return EvaluatorSpec(
+        kind=kind, workers=workers,
+        timeout_s=float(ctx.positive(e, "timeout_s", (int, float), "evaluator.", d.timeout_s)),
+        startup_timeout_s=float(ctx.positive(e, "startup_timeout_s", (int, float), "evaluator.",
+                                             d.startup_timeout_s)),
+        ray_address=address)
 
 
 def _check_satisfiable(ctx: _Ctx, raw: LineDict, spec: SearchSpec, tries: int = 2000):
