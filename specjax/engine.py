@@ -63,9 +63,13 @@ class GenerationResult:
 class Decoder:
     """Greedy or sampled generation with an optional drafter (None: plain AR)."""
 
-    def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None):
+    def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None,
+                 min_prompt_bucket: int = 0):
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.k = 0 if drafter is None else drafter.k
+        # Pad every prompt batch to at least this length: one compiled shape for a whole prompt set
+        # (the search's evaluator), at the price of a longer prefill and a few more cache slots.
+        self.min_prompt_bucket = min_prompt_bucket
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------ input checks
@@ -84,7 +88,7 @@ class Decoder:
             bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ConfigError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
-        P = prompt_bucket(max(len(p) for p in prompts))
+        P = max(prompt_bucket(max(len(p) for p in prompts)), self.min_prompt_bucket)
         arr = np.zeros((len(prompts), P), np.int32)
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p

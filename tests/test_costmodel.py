@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from specjax.costmodel.hardware import DeviceModel
+from specjax.costmodel.hardware import DeviceModel, fit_to_ar
 from specjax.costmodel.model import KMAX, ModelDims, conditional_acceptance, expected_tokens, predict
 
 DEV = DeviceModel("test", bandwidth=1e9, flops=1e10, step_overhead=1e-3, round_overhead=2e-3,
@@ -63,3 +65,22 @@ def test_conditional_acceptance():
     a = conditional_acceptance([0.5, 0.25, 0.125])
     assert np.allclose(a[:4], [0.5, 0.5, 0.5, 0.5])
     assert conditional_acceptance([0.0, 0.0])[:2].tolist() == [0.0, 0.0]
+
+
+def test_per_layer_overhead_and_host_cost_per_token():
+    dev = dataclasses.replace(DEV, layer_overhead=1e-4, host_per_token=5e-4)
+    # layer-skip K = 2, k = 3: each drafter forward: 1 ms + 2 x 0.1 ms fixed + 4 MB / 1 GB/s
+    p = predict(DIMS, dev, [3], [2], [2], alpha(1.0))
+    assert p["component_time"][0, 1] == pytest.approx(3 * (1.2e-3 + 4e-3))
+    assert p["component_time"][0, 0] == pytest.approx(1e-3 + 10 * 1e-4 + 12e-3)  # verify: all 10 layers
+    assert p["component_time"][0, 3] == pytest.approx(4 * 5e-4)  # host: 4 tokens per step
+    assert p["component_floor"][0, 3] == 0.0
+
+
+def test_fit_to_ar_recovers_commit_and_host_costs():
+    # 100 tokens in 0.30 s, 0.25 s of it in the decode loop over 100 steps, forward 2 ms
+    dev = fit_to_ar(DEV, ar_seconds=0.30, ar_decode_s=0.25, ar_steps=100, tokens=100, ar_forward_s=2e-3)
+    assert dev.round_overhead == pytest.approx(2 * 0.5e-3)  # AR pays half a round: 0.5 ms per step
+    assert dev.host_per_token == pytest.approx(0.05 / 100)
+    p = predict(DIMS, dataclasses.replace(dev, step_overhead=0.0, bandwidth=6e9), [0], [0], [0], alpha(0.0))
+    assert 1 / p["tokens_per_s"][0] == pytest.approx(2e-3 + 0.5e-3 + 0.5e-3)  # forward + commit + host

@@ -28,6 +28,8 @@ class DeviceModel:
     peak_bandwidth: float  # physical ceilings: nothing real runs faster than bytes/peak
     peak_flops: float
     source: str = "nominal"  # nominal | calibrated | spec
+    layer_overhead: float = 0.0  # fixed seconds per layer of a forward (kernel launches scale with depth)
+    host_per_token: float = 0.0  # host-side seconds per generated token (prefill, dispatch, transfers)
 
 
 # Nominal figures. H200: the read bandwidth and matmul rate measured there on 2026-12-02
@@ -122,28 +124,60 @@ def resolve_hardware(hw, store_dir: str | Path) -> DeviceModel:
     return dataclasses.replace(base, name=name, source="spec" if changes else base.source, **changes)
 
 
+def _time_forward_in_loop(step, params, cache, n: int, iters: int = 8) -> float:
+    """Seconds per forward of width n, as `iters` dependent forwards inside one jit: decode loops run
+    on the device, so host dispatch (~0.1 ms a call on a GPU) must stay out of the fixed cost."""
+    tok = jnp.zeros((1, n), jnp.int32)
+    pos = (8 + jnp.arange(n, dtype=jnp.int32))[None]
+
+    @jax.jit
+    def loop(params, cache, tok, pos):
+        def body(i, acc):  # the next input depends on the last output, so nothing is hoisted
+            logits = step(params, cache, tok + (acc > 1e30).astype(jnp.int32), pos)
+            return acc + logits[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+    return _time_loop(loop, params, cache, tok, pos) / iters
+
+
 def fit_to_target(dev: DeviceModel, cfg, params, num_slots: int = 256, widths=(1, 4, 8, 16)) -> DeviceModel:
-    """Refit the fixed cost and the matmul rate to timed forwards of the real target at several
-    widths (skinny matmuls run far below a square matmul's rate, on CPUs especially)."""
+    """Refit the fixed costs and the matmul rate to timed forwards of the real target: the fixed cost
+    split into per forward and per layer (full depth against a quarter of it, width 1), the rate from
+    wider forwards (skinny matmuls run far below a square matmul's rate, on CPUs especially)."""
     import numpy as np
 
     from specjax.costmodel.model import ModelDims
     from specjax.models.kv_cache import init_cache
+    from specjax.models.params import truncate_layers
     from specjax.models.transformer import forward, lm_logits
 
+    def step_fn(c):
+        return lambda p, cache, t, pos: lm_logits(p, forward(p, c, t, pos, cache, pos[:, 0])[0])
+
     dims = ModelDims.of(cfg, num_slots)
-    cache = init_cache(cfg, 1, num_slots)
-    step = jax.jit(lambda p, c, t, pos: lm_logits(p, forward(p, cfg, t, pos, c, pos[:, 0])[0]))
-    times = {}
-    for n in widths:
-        tok = jnp.zeros((1, n), jnp.int32)
-        pos = (8 + jnp.arange(n, dtype=jnp.int32))[None]
-        times[n] = _time_loop(step, params, cache, tok, pos)
-    layers = cfg.num_layers
-    bytes_ = layers * (dims.layer_bytes + num_slots * dims.kv_bytes_per_slot) + dims.head_bytes
-    flops_tok = layers * (dims.layer_flops + num_slots * dims.attn_flops_per_slot) + dims.head_flops
-    overhead = max(times[widths[0]] - bytes_ / dev.bandwidth, 0.05 * times[widths[0]])
-    rates = [n * flops_tok / max(times[n] - overhead, 1e-9) for n in widths[1:]]
+    L, Lq = cfg.num_layers, max(1, cfg.num_layers // 4)
+    times = {n: _time_forward_in_loop(step_fn(cfg), params, init_cache(cfg, 1, num_slots), n) for n in widths}
+    qcfg, qparams = dataclasses.replace(cfg, num_layers=Lq), truncate_layers(params, Lq)
+    t_quarter = _time_forward_in_loop(step_fn(qcfg), qparams, init_cache(qcfg, 1, num_slots), 1)
+
+    def read_s(layers):
+        return (layers * (dims.layer_bytes + num_slots * dims.kv_bytes_per_slot) + dims.head_bytes) / dev.bandwidth
+    t_full = times[widths[0]]
+    per_layer = max((t_full - t_quarter - (read_s(L) - read_s(Lq))) / max(L - Lq, 1), 0.0)
+    overhead = max(t_full - read_s(L) - L * per_layer, 0.02 * t_full)
+    flops_tok = L * (dims.layer_flops + num_slots * dims.attn_flops_per_slot) + dims.head_flops
+    fixed = overhead + L * per_layer
+    rates = [n * flops_tok / max(times[n] - fixed, 1e-9) for n in widths[1:]]
     flops = float(np.median(rates)) if rates else dev.flops
-    return dataclasses.replace(dev, step_overhead=overhead, flops=min(flops, dev.peak_flops),
-                               source=dev.source + "+target-fit")
+    return dataclasses.replace(dev, step_overhead=overhead, layer_overhead=per_layer,
+                               flops=min(flops, dev.peak_flops), source=dev.source + "+target-fit")
+
+
+def fit_to_ar(dev: DeviceModel, ar_seconds: float, ar_decode_s: float, ar_steps: int, tokens: int,
+              ar_forward_s: float) -> DeviceModel:
+    """Refit two fixed costs from the measured AR baseline: the per-step commit (AR's in-loop step =
+    one forward + commit; the cost model charges AR half a speculative round's commit) and the host
+    cost per token (everything outside the decode loop: prefill, dispatch, transfers)."""
+    commit = max(ar_decode_s / max(ar_steps, 1) - ar_forward_s, 0.0)
+    host = max(ar_seconds - ar_decode_s, 0.0) / max(tokens, 1)
+    return dataclasses.replace(dev, round_overhead=2.0 * commit, host_per_token=host,
+                               source=dev.source + "+ar-fit")

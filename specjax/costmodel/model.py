@@ -4,7 +4,8 @@ fixed costs) with the same acceptance. Pure JAX: `predict` is jit + vmap over ca
 
 Components: verify (one target forward over k + 1 tokens, weights + KV read once), draft (the
 proposer's forwards: none for n-gram, k narrow forwards of the first K layers for layer-skip), commit
-(acceptance, cache/sequence update, loop). Expected tokens per step from per-position conditional
+(acceptance, cache/sequence update, loop), host (prefill, dispatch and transfers outside the decode
+loop, per generated token). Expected tokens per step from per-position conditional
 acceptance a_i: E[N] = 1 + sum_j prod_{i<=j} a_i (bonus token included; AR = 1).
 """
 
@@ -53,7 +54,7 @@ def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool)
     flops = tokens * (layers * (dims.layer_flops + dims.num_slots * dims.attn_flops_per_slot) + dims.head_flops)
     bw = dev.peak_bandwidth if peak else dev.bandwidth
     rate = dev.peak_flops if peak else dev.flops
-    fixed = 0.0 if peak else dev.step_overhead
+    fixed = 0.0 if peak else dev.step_overhead + layers * dev.layer_overhead
     return fixed + jnp.maximum(bytes_ / bw, flops / rate)
 
 
@@ -78,9 +79,10 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha):
     draft = jnp.where(kind == 2, ls, jnp.where(kind == 1, dev.step_overhead * 0.25, 0.0))
     draft_floor = jnp.where(kind == 2, ls_floor, 0.0)
     commit = jnp.where(speculative, dev.round_overhead, dev.round_overhead * 0.5)
-    times = jnp.stack([verify, draft, commit])
-    floors = jnp.stack([verify_floor, draft_floor, 0.0 * commit])
     tokens = jnp.where(speculative, expected_tokens(alpha, k), 1.0)
+    host = tokens * dev.host_per_token  # paid per token, so per step it scales with tokens per step
+    times = jnp.stack([verify, draft, commit, host])
+    floors = jnp.stack([verify_floor, draft_floor, 0.0 * commit, 0.0 * host])
     return dict(tokens_per_step=tokens, step_time=times.sum(), floor_time=floors.sum(),
                 tokens_per_s=tokens / times.sum(), ceiling_tokens_per_s=tokens / floors.sum(),
                 component_time=times, component_floor=floors, component_gap=times - floors)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import Callable
@@ -40,6 +41,8 @@ class Measurement:
     device: str
     rejected: str | None = None  # why the gates refused it (None: passed)
     forcing: dict | None = None
+    decode_s: float = 0.0  # the engine's own decode-loop seconds in the last run (calibration only)
+    steps: int = 0  # decode-loop iterations in the last run, all prompts
 
     @property
     def valid(self) -> bool:
@@ -117,13 +120,14 @@ class Evaluator(Plan):
         self.timer = timer
         self.build_decoder = build_decoder or self._build
         self._decoders: dict[str, Decoder] = {}
-        ar = Decoder(target.cfg, target.params, self.gen)
+        self.bucket = prompt_bucket(max(len(p) for p in prompts))  # one compiled shape for every batch
+        ar = Decoder(target.cfg, target.params, self.gen, min_prompt_bucket=self.bucket)
         self.references = [ar.generate(b) for b in self.batches]
 
     def _build(self, config: dict) -> Decoder:
         kw = REGISTRY.apply(config)
         drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], self.target, kw["k"])
-        return Decoder(self.target.cfg, self.target.params, self.gen, drafter)
+        return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket)
 
     def decoder(self, config: dict) -> Decoder:
         key = repr(sorted(config.items()))
@@ -131,12 +135,38 @@ class Evaluator(Plan):
             self._decoders[key] = self.build_decoder(config)
         return self._decoders[key]
 
-    def _run_once(self, dec: Decoder, seed: int):
-        """One timed pass over every prompt -> (seconds, generated tokens, tau, acceptance rates)."""
+    def prepare(self, configs: list[dict], threads: int | None = None):
+        """Compile the decoders of several candidates at once (XLA compiles outside the GIL), so a
+        batch of measurements pays about one compile's wall time instead of one per candidate. Each
+        compile is followed by one short run, the forced (gate) path included."""
+        todo = []
+        for c in configs:
+            key = repr(sorted(c.items()))
+            if key not in self._decoders and key not in todo:
+                todo.append(key)
+                self.decoder(c)
+        if len(todo) < 2:
+            return
+
+        def warm(key):
+            dec = self._decoders[key]
+            dec.generate(self.batches[0])
+            if dec.drafter is not None:
+                check_token_forcing(dec, self.batches[0], self.references[0], self.forcing_tolerance)
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+            list(pool.map(warm, todo))
+
+    def evaluate_many(self, jobs):
+        self.prepare([c for job in jobs for c in (job[0], job[2]) if c is not None])
+        return [self.evaluate(*job) for job in jobs]
+
+    def _run_once(self, dec: Decoder, seed: int) -> tuple[float, dict]:
+        """One timed pass over every prompt -> (seconds on our clock, what the run produced). The
+        engine's own decode-loop time and step count are kept for calibration, never for scoring."""
         t = self.timer()
         results = [dec.generate(b, seed=seed) for b in self.batches]
         seconds = self.timer() - t
-        tokens = sum(r.num_generated for r in results)
         hist = [r.accepted_hist.sum(axis=0) for r in results if r.accepted_hist is not None]
         tau, rates = 1.0, []
         if hist:
@@ -144,33 +174,39 @@ class Evaluator(Plan):
             tau = float((h * np.arange(1, len(h) + 1)).sum() / max(h.sum(), 1))
             at_least = np.cumsum(h[::-1])[::-1]
             rates = [float(at_least[i] / max(h.sum(), 1)) for i in range(1, len(h))]
-        return seconds, (tokens, tau, rates)
+        return seconds, {"tokens": sum(r.num_generated for r in results), "tau": tau, "rates": rates,
+                         "decode_s": sum(r.decode_s for r in results), "steps": sum(r.steps for r in results)}
+
+    def measure_interleaved(self, configs: list[dict], runs: int) -> list[Measurement]:
+        """Warm every config up, then `runs` rounds of one timed run each, in turn: slow drifts of the
+        machine hit every config alike. Each gets the median of its runs."""
+        decoders = [self.decoder(c) for c in configs]
+        for dec in decoders:
+            self._run_once(dec, 0)  # compile + warm up
+        times = [[] for _ in configs]
+        last = [None] * len(configs)
+        for i in range(runs):
+            for j, dec in enumerate(decoders):
+                seconds, last[j] = self._run_once(dec, i)
+                times[j].append(seconds)
+        return [self._summarize(c, r, t) for c, r, t in zip(configs, last, times)]
 
     def measure(self, config: dict, runs: int, incumbent: dict | None = None) -> tuple[Measurement, Measurement | None]:
         """Median of `runs` timed runs, interleaved with the incumbent's when one is given."""
         self.measurements += 1
-        dec = self.decoder(config)
-        self._run_once(dec, 0)  # compile + warm up
-        inc_dec = self.decoder(incumbent) if incumbent is not None else None
-        if inc_dec is not None:
-            self._run_once(inc_dec, 0)
-        times, inc_times = [], []
-        for i in range(runs):
-            seconds, result = self._run_once(dec, i)
-            times.append(seconds)
-            if inc_dec is not None:
-                inc_times.append(self._run_once(inc_dec, i)[0])
-        m = self._summarize(config, result, times)
-        inc = self._summarize(incumbent, None, inc_times) if inc_dec is not None else None
+        if incumbent is None:
+            return self.measure_interleaved([config], runs)[0], None
+        m, inc = self.measure_interleaved([config, incumbent], runs)
         return m, inc
 
-    def _summarize(self, config, result, times) -> Measurement:
-        tokens, tau, rates = result if result else (
-            sum(len(t) for r in self.references for t in r.tokens), float("nan"), [])
+    def _summarize(self, config, result: dict, times: list[float]) -> Measurement:
+        tokens = result["tokens"]
         median_s = statistics.median(times)
         m = Measurement(config=dict(config), tokens_per_s=tokens / median_s,
-                        runs=[tokens / t for t in times], tokens=tokens, tau=tau, acceptance_rates=rates,
-                        floor_s=self.floor_seconds(config, tokens), run_s=median_s, device=self.device_name)
+                        runs=[tokens / t for t in times], tokens=tokens, tau=result["tau"],
+                        acceptance_rates=result["rates"], floor_s=self.floor_seconds(config, tokens),
+                        run_s=median_s, device=self.device_name, decode_s=result["decode_s"],
+                        steps=result["steps"])
         if median_s < (1.0 - self.floor_tolerance) * m.floor_s:
             m.rejected = (f"measured {median_s * 1e3:.2f} ms per run is under the physical floor "
                           f"{m.floor_s * 1e3:.2f} ms: a measurement bug, not a win")
@@ -200,8 +236,8 @@ class Evaluator(Plan):
         if cfg.get("drafter.kind", "none") == "none":
             return np.zeros(32)
         self.measurements += 1
-        _, (_, _, rates) = self._run_once(self.decoder(cfg), 0)
-        return conditional_acceptance(rates)
+        _, result = self._run_once(self.decoder(cfg), 0)
+        return conditional_acceptance(result["rates"])
 
 
 __all__ = ["Plan", "Evaluator", "Measurement", "candidate_arrays", "DRAFTER_KINDS"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,9 @@ def _m(d: dict) -> Measurement:
 
 
 def git_commit() -> str:
+    """The code's commit (SPECJAX_GIT_COMMIT where the tree travels without .git, as to a device)."""
+    if os.environ.get("SPECJAX_GIT_COMMIT"):
+        return os.environ["SPECJAX_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
@@ -73,11 +77,12 @@ def git_commit() -> str:
 class Search:
     def __init__(self, spec: SearchSpec, evaluator: Evaluator, proposer, output_dir: str | Path,
                  memory=None, agents: int | None = None, progress: Callable[[str], None] = print,
-                 kernel_agent=None):
+                 kernel_agent=None, refit_from_ar: bool = False):
         self.spec, self.ev, self.proposer = spec, evaluator, proposer
         self.out = Path(output_dir)
         self.state_path = self.out / "state.json"
         self.memory, self.progress, self.kernel_agent = memory, progress, kernel_agent
+        self.refit_from_ar = refit_from_ar  # ranking numbers are this device's: refit fixed costs to AR
         self.agents = agents or spec.budget.agents
         self.state = SearchState()
         self._start = time.monotonic()
@@ -180,6 +185,13 @@ class Search:
                 raise RuntimeError(f"the AR baseline failed its floor gate: {m.rejected}")
             self.state.ar = dataclasses.asdict(m)
             self.state.save(self.state_path)
+        if self.refit_from_ar:
+            from specjax.costmodel.hardware import fit_to_ar
+            ar = _m(self.state.ar)
+            forward_s = float(self.predict([AR_CONFIG])["component_time"][0][0])
+            self.ev.device = fit_to_ar(self.ev.device, ar.run_s, ar.decode_s, ar.steps, ar.tokens, forward_s)
+            self.progress(f"cost model refit to AR: commit {self.ev.device.round_overhead * 5e5:.1f} us per "
+                          f"AR step, host {self.ev.device.host_per_token * 1e6:.1f} us per token")
         for c in self._variants():
             v = drafter_variant(c)
             if v not in self.state.profiles:
@@ -213,9 +225,10 @@ class Search:
         pred = self.predict([incumbent.config])
         gaps = pred["component_gap"][0]
         order = np.argsort(-gaps)
-        directions = [COMPONENTS[i] for i in order[:self.agents]]
-        while len(directions) < self.agents:  # more agents than components: share the largest gaps
-            directions.append(COMPONENTS[order[len(directions) % len(COMPONENTS)]])
+        # a direction is a large gap that some parameter of this space can move (host cost: none yet)
+        movable = [i for i in order if set(REGISTRY.params_for(COMPONENTS[i])) & set(self.spec.space)]
+        movable = movable or list(order)
+        directions = [COMPONENTS[movable[j % len(movable)]] for j in range(self.agents)]
         self.progress(f"round {r}: incumbent {incumbent.config} {incumbent.tokens_per_s:.1f} tok/s "
                       f"({self._speedup(incumbent):.2f}x AR); gaps " +
                       ", ".join(f"{COMPONENTS[i]} {gaps[i] * 1e3:.2f} ms" for i in order))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-COMPONENTS = ("verify", "draft", "commit")  # cost-model components, in report order
+COMPONENTS = ("verify", "draft", "commit", "host")  # cost-model components, in report order
 
 
 @dataclasses.dataclass(frozen=True)

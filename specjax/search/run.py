@@ -68,7 +68,8 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
         from specjax.costmodel.hardware import fit_to_target
         cost_device = fit_to_target(cost_device, target.cfg, target.params)
         progress(f"cost model: {cost_device.bandwidth / 1e9:.1f} GB/s, {cost_device.flops / 1e9:.1f} GFLOP/s "
-                 f"effective, {cost_device.step_overhead * 1e3:.2f} ms per forward ({cost_device.source})")
+                 f"effective, {cost_device.step_overhead * 1e3:.3f} ms per forward + "
+                 f"{cost_device.layer_overhead * 1e6:.1f} us per layer ({cost_device.source})")
     if remote:
         from specjax.search.workers import remote_evaluator
         if evaluator_factory is not None and not isinstance(evaluator_factory, str):
@@ -84,7 +85,7 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
         evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
                             spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
     search = Search(spec, evaluator, make_proposer(spec, proposer), out, memory=MemoryStore(memory_dir),
-                    agents=agents, progress=progress)
+                    agents=agents, progress=progress, refit_from_ar=same)
     try:
         state = search.run(resume=resume)
     finally:
