@@ -192,6 +192,9 @@ class Search:
             self.ev.device = fit_to_ar(self.ev.device, ar.run_s, ar.decode_s, ar.steps, ar.tokens, forward_s)
             self.progress(f"cost model refit to AR: commit {self.ev.device.round_overhead * 5e5:.1f} us per "
                           f"AR step, host {self.ev.device.host_per_token * 1e6:.1f} us per token")
+        pending = [c for c in self._variants() if drafter_variant(c) not in self.state.profiles]
+        if hasattr(self.ev, "prepare"):  # compile every pilot at once
+            self.ev.prepare([dict(c, **{"drafter.k": 8}) for c in pending])
         for c in self._variants():
             v = drafter_variant(c)
             if v not in self.state.profiles:
