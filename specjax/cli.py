@@ -108,9 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plain", action="store_true", help="plain progress lines instead of the live display")
     s.set_defaults(func=cmd_search)
 
+    k = sub.add_parser("pack", help="pack a model's bf16 weights losslessly into 12 bits per weight (.w12)")
+    k.add_argument("model", help="registry name (smollm2-135m), HF checkpoint directory, or .gguf file")
+    k.add_argument("out", help="output file, ending in .w12 (load it anywhere a model is taken)")
+    k.set_defaults(func=cmd_pack)
+
     from specjax.memory.cli import add_memory_parser
     add_memory_parser(sub)
     return parser
+
+
+def cmd_pack(args) -> int:
+    import os
+
+    from specjax.weights.container import pack_model
+
+    choices = pack_model(args.model, args.out)
+    weights = sum(c.num_weights for c in choices.values())
+    packed = sum(c.format == "lh12" for c in choices.values())
+    size = os.path.getsize(args.out)
+    print(f"{args.out}: {packed} of {len(choices)} tensors in LH12, {size / 1e6:.1f} MB, "
+          f"{8 * size / weights:.2f} bits/weight including the header")
+    return 0
 
 
 def cmd_search(args) -> int:

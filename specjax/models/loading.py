@@ -3,6 +3,7 @@
 HF directories: `config.json` + `model.safetensors` or a sharded `model.safetensors.index.json`.
 GGUF files (llama architecture): tensors are dequantized with the `gguf` package; llama.cpp's
 converter permuted the q/k rows for its interleaved RoPE, which is undone here.
+`.w12` files: bf16 weights packed losslessly by `specjax pack` (specjax/weights), decoded at load.
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
         tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
     elif path.suffix == ".gguf":
         cfg, params, tokenizer = load_gguf(path, dtype)
+    elif path.suffix == ".w12":
+        from specjax.weights.container import load_packed
+        packed = load_packed(path, dtype)
+        cfg, params, tokenizer = packed.cfg, packed.params, packed.tokenizer
     else:
-        raise ModelFormatError(f"{path}: not a checkpoint directory or a .gguf file")
+        raise ModelFormatError(f"{path}: not a checkpoint directory, a .gguf file or a .w12 packed "
+                               "model")
     return LoadedModel(name=name_or_path, cfg=cfg, params=params, tokenizer=tokenizer)
 
 
