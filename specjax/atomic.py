@@ -21,20 +21,32 @@ def canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def write_json_atomic(path: str | Path, payload: dict) -> None:
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Temp file in the target's directory, fsync, rename over the target, fsync the directory:
+    a reader or a crash sees the old file or the new one, never part of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"checksum": hashlib.sha256(canonical_json(payload).encode()).hexdigest(), "payload": payload}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(body, indent=1, sort_keys=True))
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide the file from other users
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_json_atomic(path: str | Path, payload: dict) -> None:
+    body = {"checksum": hashlib.sha256(canonical_json(payload).encode()).hexdigest(), "payload": payload}
+    write_bytes_atomic(path, json.dumps(body, indent=1, sort_keys=True).encode("utf-8"))
 
 
 def read_json_checked(path: str | Path) -> dict:

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import jax
@@ -27,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
-from specjax.atomic import canonical_json
+from specjax.atomic import canonical_json, write_bytes_atomic
 from specjax.errors import ConfigError, ModelFormatError, SpecJaxError
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.loading import LoadedModel, load_model
@@ -57,7 +56,7 @@ def pack_model(model_source: str | os.PathLike | LoadedModel, out_path: str | os
     data, choices = packed_bytes(model)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out, data)
+        write_bytes_atomic(out, data)
     except OSError as e:
         raise SpecJaxError(f"{out}: cannot write: {e.strerror or e}") from None
     return choices
@@ -89,27 +88,6 @@ def packed_bytes(model: LoadedModel) -> tuple[bytes, dict[str, FormatChoice]]:
     raw = canonical_json(header).encode()
     raw += b" " * (-len(raw) % 8)
     return MAGIC + len(raw).to_bytes(8, "little") + hashlib.sha256(raw).digest() + raw + blob, choices
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the target's directory, fsync, rename over the target, fsync the directory:
-    a reader or a crash sees the old file or the new one, never part of one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide a model file from other users
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 # --------------------------------------------------------------------------- reading
