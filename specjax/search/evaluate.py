@@ -15,6 +15,7 @@ import dataclasses
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -78,11 +79,11 @@ class Plan:
         stops = target.tokenizer.eos_ids if target.tokenizer else ()
         self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=tuple(stops))
         self.device, self.device_name = device, device_name  # cost-model numbers, and what runs here
+        self.bucket = prompt_bucket(max(len(p) for p in prompts))  # one compiled shape for every batch
         self.measurements = 0
 
     def dims(self, k: int) -> ModelDims:
-        bucket = prompt_bucket(max(len(p) for p in self.prompts))
-        return ModelDims.of(self.target.cfg, num_slots_for(bucket, self.gen.max_new_tokens, k))
+        return ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k))
 
     def floor_seconds(self, config: dict, tokens: int) -> float:
         """No real run of `tokens` tokens can be faster than this."""
@@ -120,7 +121,6 @@ class Evaluator(Plan):
         self.timer = timer
         self.build_decoder = build_decoder or self._build
         self._decoders: dict[str, Decoder] = {}
-        self.bucket = prompt_bucket(max(len(p) for p in prompts))  # one compiled shape for every batch
         ar = Decoder(target.cfg, target.params, self.gen, min_prompt_bucket=self.bucket)
         self.references = [ar.generate(b) for b in self.batches]
 
@@ -153,7 +153,6 @@ class Evaluator(Plan):
             dec.generate(self.batches[0])
             if dec.drafter is not None:
                 check_token_forcing(dec, self.batches[0], self.references[0], self.forcing_tolerance)
-        from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
             list(pool.map(warm, todo))
 

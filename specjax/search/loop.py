@@ -86,6 +86,7 @@ class Search:
         self.agents = agents or spec.budget.agents
         self.state = SearchState()
         self._start = time.monotonic()
+        self._best_predicted: float | None = None
 
     # ------------------------------------------------------------------ cost model
 
@@ -143,7 +144,7 @@ class Search:
         inc = self.state.incumbent
         status({"round": self.state.round, "rounds": self.spec.budget.rounds,
                 "measurements": self.ev.measurements, "incumbent": inc["config"] if inc else {},
-                "speedup": self._speedup(_m(inc)) if inc else 1.0, "best_predicted": None,
+                "speedup": self._speedup(_m(inc)) if inc else 1.0, "best_predicted": self._best_predicted,
                 "elapsed_s": self.state.elapsed_s + time.monotonic() - self._start, "phase": phase})
 
     def _speedup(self, m: Measurement) -> float:
@@ -254,6 +255,7 @@ class Search:
         winners = []
         if candidates:
             p = self.predict(candidates)
+            self._best_predicted = float(p["tokens_per_s"].max())  # tok/s, for the live display
             ranked = [candidates[i] for i in np.argsort(-p["tokens_per_s"])]
             fresh = [c for c in ranked if config_key(c) not in self.state.evaluated]
             chosen = fresh[:self.spec.budget.measure_per_round]

@@ -33,7 +33,7 @@ def _fields(summary: dict) -> dict[str, str]:
             "elapsed": "?" if elapsed is None else _elapsed(elapsed),
             "phase": str(summary.get("phase", "")),
             "incumbent": json.dumps(summary.get("incumbent") or {}, sort_keys=True),
-            "best predicted": "-" if best is None else f"{best:.2f}"}
+            "best predicted": "-" if best is None else f"{best:.2f} tok/s"}
 
 
 def summary_line(summary: dict) -> str:
