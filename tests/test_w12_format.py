@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from specjax.weights.lh12 import (LAYOUT, PLANES, choose_format, decode, decode_jax, encode, lh12_bits,
-                                  plane_shapes)
+from specjax.weights.lh12 import (LAYOUT, PLANES, choose_format, decode, decode_jax, encode, encode_jax,
+                                  lh12_bits, plane_shapes)
 
 ALL = np.arange(1 << 16, dtype=np.uint16)
 
@@ -69,7 +69,9 @@ def test_special_tensors(kind):
 def test_escape_heavy_tensor_round_trips_and_stays_bf16():
     rng = np.random.default_rng(3)
     w = bf16_bits(rng.normal(0, 0.02, (64, 1024)))
-    w[:, ::LAYOUT.segment] = 0  # a zero (exponent 0) in every segment
+    # a zero (exponent 0) in every segment: segment s holds super-words 8s..8s+7, and element 0 of
+    # super-word m is column m (stripe 0)
+    w[:, :1024 // LAYOUT.group:LAYOUT.segment // LAYOUT.group] = 0
     p = assert_round_trip(w)
     assert p.n_escape == 64 * 16 and 15.9 < p.bits_per_weight < 16.1
     choice = choose_format(w)
@@ -112,23 +114,30 @@ def test_window_leaves_fewest_escape_segments():
 
 
 def test_plane_layout_is_the_documented_one():
-    """The word layout a kernel relies on, spelled out for one row of 72 weights (two segments)."""
+    """The word layout a kernel relies on, spelled out for one row of 72 weights: M = 9 super-words,
+    super-word m holds columns m, m + 9, ..., m + 63 (stripes); segment 1 is super-word 8 alone."""
     h = np.array([60, 61, 62, 63, 0xC0, 67, 0xBF, 60] + [62] * 64, np.uint16)  # high bytes
     lo = np.arange(72, dtype=np.uint16)
     w = ((h << 8) | lo)[None, :]
     p = encode(w)
     assert p.base == 60 and p.n_escape == 0  # exp>>1 in 60..67 (0xC0 is sign | 64, 0xBF sign | 63)
-    assert p.lo[0, 0] == 0x03020100 and p.lo[0, 1] == 0x07060504
-    codes = [0, 1, 2, 3, 8 | 4, 7, 8 | 3, 0]  # sign << 3 | (exp>>1 - base)
-    assert p.code[0, 0] == sum((codes[i] | codes[i + 4] << 4) << (8 * i) for i in range(4))
+    assert p.lo.shape == (1, 18) and p.code.shape == (1, 9)
+    col = lambda m, i: 9 * i + m  # column of element i of super-word m
+    for m in range(9):
+        assert p.lo[0, m] == sum(col(m, i) << (8 * i) for i in range(4))  # low bytes = column index
+        assert p.lo[0, 9 + m] == sum(col(m, 4 + i) << (8 * i) for i in range(4))
+    code = {0: 0, 1: 1, 2: 2, 3: 3, 4: 8 | 4, 5: 7, 6: 8 | 3, 7: 0}  # sign << 3 | (exp>>1 - base)
+    c = lambda n: code.get(n, 2)
+    assert p.code[0, 0] == sum((c(col(0, i)) | c(col(0, i + 4)) << 4) << (8 * i) for i in range(4))
+    assert p.code[0, 4] == sum((c(col(4, i)) | c(col(4, i + 4)) << 4) << (8 * i) for i in range(4))
     assert p.flag.tolist() == [0] and p.ovbase.tolist() == [0]
 
-    w[0, 70] = 0x7FC1  # a NaN in the second segment: it escapes
+    w[0, 71] = 0x7FC1  # a NaN at column 71 = element 7 of super-word 8: segment 1 escapes
     p = encode(w)
     assert p.n_escape == 1 and p.flag.tolist() == [0b10] and p.ovbase.tolist() == [0]
     assert p.ov.shape == (1, 8)
-    # element 70 = 8 * 8 + 4 + 2: super-word 8, byte 2, high nibble; escaped: low and high nibble of H
-    assert (p.code[0, 8] >> 20) & 0xF == 0x7F & 0xF and (p.ov[0, 0] >> 20) & 0xF == 0x7F >> 4
+    # element 7 = byte 3, high nibble of super-word 8 (word 0 of the segment's overflow words)
+    assert (p.code[0, 8] >> 28) & 0xF == 0x7F & 0xF and (p.ov[0, 0] >> 28) & 0xF == 0x7F >> 4
     np.testing.assert_array_equal(decode(p), w)
 
 
@@ -145,6 +154,20 @@ def test_decode_jax_equals_numpy_decode(seed):
     np.testing.assert_array_equal(np.asarray(decode_jax(p)), expect)
     np.testing.assert_array_equal(np.asarray(jax.jit(decode_jax)(p)), expect)
     np.testing.assert_array_equal(expect, w)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_encoder_equals_numpy_encoder(seed):
+    """encode_jax (what benchmarks pack 8B-shaped models with) writes the very same planes."""
+    rng = np.random.default_rng(200 + seed)
+    rows, cols = int(rng.integers(1, 70)), int(rng.integers(1, 2100))
+    w = bf16_bits(rng.normal(0, 0.02, (rows, cols)))
+    specials = rng.random(w.shape) < 10.0 ** rng.uniform(-4, -1.5)
+    w[specials] = rng.integers(0, 1 << 16, int(specials.sum()), dtype=np.uint16)
+    p, q = encode(w), encode_jax(w)
+    assert (q.base, q.shape) == (p.base, p.shape)
+    for name in PLANES:
+        np.testing.assert_array_equal(np.asarray(getattr(q, name)), getattr(p, name), err_msg=name)
 
 
 def test_empty_and_bad_inputs():

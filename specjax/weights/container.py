@@ -37,7 +37,7 @@ from specjax.weights.lh12 import (PLANES, WORD, FormatChoice, Packed12, choose_f
 
 MAGIC = b"SPJXW12\n"
 SUFFIX = ".w12"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: super-words hold column stripes (lh12.py), so kernels get contiguous blocks
 _PREFIX = len(MAGIC) + 8 + 32
 
 

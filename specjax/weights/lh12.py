@@ -7,6 +7,12 @@ A 64-weight segment with any weight outside the window is an escape segment: its
 low nibble of H and an overflow plane the high nibble, so every pattern (±0, denormals, ±Inf, NaN
 payloads) round-trips exactly. See docs/design/w12.md for the layout and the kernel-side costs.
 
+Super-word m of a row holds the 8 columns m, m + M, ..., m + 7M (M = ceil(C / 8) super-words per
+row): element i of every super-word belongs to stripe i, a contiguous run of M output columns. A
+GPU kernel that decodes a tile of super-words into its 8 elements therefore gets 8 contiguous
+column blocks, the same blocks a bf16 kernel reads from the plain matrix, so both kernels can run
+the same dots in the same order (pallas_kernels/skinny_gemm*.py).
+
 `decode` is the plain numpy inverse; `decode_jax` decodes with the 32-bit SWAR operations a GPU
 kernel does in registers, so it is the reference for those kernels.
 """
@@ -14,6 +20,7 @@ kernel does in registers, so it is the reference for those kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +33,10 @@ WORD = np.dtype("<u4")  # every plane is little-endian 32-bit words, as a kernel
 class Layout:
     """Granularity of the planes, shared by the encoder, the decoders and the later GPU kernels.
 
-    Planes run along the last (contiguous) axis, i.e. along `out` of a `[in, out]` weight. A kernel
-    tile `[BK, BN]` decodes in registers with no cross-tile state when BN and its column offset are
-    multiples of `segment`; a thread's natural unit is 32 weights of one row (two 16-byte loads of
-    `lo`, one of `code`), half a segment, so a segment's escape flag is shared by two threads.
+    Planes run along the last axis, i.e. along `out` of a `[in, out]` weight, in stored order:
+    stored position 8m + i is column i * M + m (see the module doc). A kernel tile of BK rows and
+    BM super-words is a plain rectangular block of `code` and of each half of `lo`; with BM and
+    its offset multiples of 8 it holds whole segments.
     """
 
     group: int = 8  # weights per super-word: two `lo` words + one `code` word = 96 bits
@@ -54,8 +61,8 @@ class Packed12:
     """One LH12 tensor. R, C = shape; Cp = C rounded up to 8; S = ceil(C / 64) segments per row;
     segment g = r * S + s is numbered row-major over the whole tensor."""
 
-    lo: np.ndarray  # [R, Cp/4] words: the low bytes, 4 per word in element order
-    code: np.ndarray  # [R, Cp/8] words: byte i of word m = c(8m+i) | c(8m+4+i) << 4
+    lo: np.ndarray  # [R, 2M] words: word m = L of elements 0-3 of super-word m, word M+m of 4-7
+    code: np.ndarray  # [R, M] words: byte i of word m = c(8m+i) | c(8m+4+i) << 4
     flag: np.ndarray  # [ceil(R*S/32)] words: bit g%32 of word g//32 is set iff segment g escapes
     ovbase: np.ndarray  # [ceil(R*S/32)] words: escape segments in all earlier flag words
     ov: np.ndarray  # [n_escape, 8] words: high nibbles of H of each escape segment, code's layout
@@ -110,18 +117,43 @@ def _check_bits(w: np.ndarray) -> None:
                          f"{getattr(w, 'dtype', type(w))} of shape {getattr(w, 'shape', '?')}")
 
 
+def _stripe(x, cols: int, fill: int):
+    """[R, C] in column order -> [R, Cp] in stored order (numpy or jax): pad to Cp with `fill`,
+    then stored position 8m + i takes column i * M + m."""
+    xp = np if isinstance(x, np.ndarray) else jnp
+    rows = x.shape[0]
+    cp = _dims((rows, cols))[0]
+    x = xp.pad(x, ((0, 0), (0, cp - cols)), constant_values=fill)
+    return x.reshape(rows, LAYOUT.group, cp // LAYOUT.group).transpose(0, 2, 1).reshape(rows, cp)
+
+
+def _unstripe(x, cols: int):
+    """Inverse of `_stripe`: [R, Cp] in stored order -> [R, C] in column order."""
+    rows, cp = x.shape
+    return x.reshape(rows, cp // LAYOUT.group, LAYOUT.group).transpose(0, 2, 1).reshape(rows, cp)[:, :cols]
+
+
+def _segment_ranges(w, xp=np):
+    """(min, max) of exp>>1 per segment in stored order, [R, S] each. Padding takes no part: it is
+    written later with the chosen base, which lies in every window that base opens."""
+    rows, cols = w.shape
+    _, segs, _ = _dims(w.shape)
+    e2 = ((w >> 8) & 0x7F).astype(xp.int16)
+    pad = ((0, 0), (0, segs * LAYOUT.segment - _dims(w.shape)[0]))
+    lo = xp.pad(_stripe(e2, cols, 127), pad, constant_values=127)
+    hi = xp.pad(_stripe(e2, cols, 0), pad, constant_values=0)
+    lo = lo.reshape(rows, segs, LAYOUT.segment).min(axis=-1, initial=127)
+    hi = hi.reshape(rows, segs, LAYOUT.segment).max(axis=-1, initial=0)
+    return lo, hi
+
+
 def _plan(w: np.ndarray) -> tuple[int, np.ndarray]:
     """The window base that leaves the fewest escape segments, and the [R, S] escape mask.
 
     Escapes cost per segment, not per weight, so the base is chosen on segment counts: a segment
     whose exp>>1 spans [lo, hi] is covered by every base in [hi - 7, lo].
     """
-    rows, cols = w.shape
-    _, segs, _ = _dims(w.shape)
-    pad = ((0, 0), (0, segs * LAYOUT.segment - cols))
-    e2 = ((w >> 8) & 0x7F).astype(np.int16)  # exp >> 1
-    lo = np.pad(e2, pad, constant_values=127).reshape(rows, segs, LAYOUT.segment).min(axis=-1, initial=127)
-    hi = np.pad(e2, pad, constant_values=0).reshape(rows, segs, LAYOUT.segment).max(axis=-1, initial=0)
+    lo, hi = _segment_ranges(w)
     first = np.maximum(hi - (LAYOUT.window - 1), 0)
     last = np.minimum(lo, LAYOUT.max_base)
     fits = first <= last
@@ -173,13 +205,15 @@ def encode(w: np.ndarray) -> Packed12:
     rows, cols = w.shape
     base, escaped = _plan(w)
     cp, segs, nflag = _dims(w.shape)
-    # Pad to whole segments with the pattern whose code is 0; the planes keep only Cp columns.
-    u = np.pad(w, ((0, 0), (0, segs * LAYOUT.segment - cols)), constant_values=base << 8)
+    # Stored order; padding (to Cp, then to whole segments) is the pattern whose code is 0.
+    u = np.pad(_stripe(w, cols, base << 8), ((0, 0), (0, segs * LAYOUT.segment - cp)),
+               constant_values=base << 8)
     h = (u >> 8).reshape(rows, segs, LAYOUT.segment)
     normal = ((h >> 7) << 3) | ((h & 0x7F) - base)  # sign | offset (wraps only where unused)
     codes = np.where(escaped[..., None], h & 0xF, normal).astype(np.uint8)
     codes = codes.reshape(rows, segs * LAYOUT.segment)
-    lo = np.ascontiguousarray((u[:, :cp] & 0xFF).astype(np.uint8)).view(WORD)
+    low = (u[:, :cp] & 0xFF).astype(np.uint8).reshape(rows, cp // LAYOUT.group, 2, 4)
+    lo = np.ascontiguousarray(low.transpose(0, 2, 1, 3)).view(WORD).reshape(rows, cp // 4)
     ov = _pack_nibbles((h.reshape(rows * segs, LAYOUT.segment)[escaped.ravel()] >> 4).astype(np.uint8))
     bits = np.zeros(nflag * LAYOUT.flag_bits, bool)
     bits[:rows * segs] = escaped.ravel()
@@ -209,8 +243,9 @@ def decode(p: Packed12) -> np.ndarray:
         ovn[escaped] = _unpack_nibbles(p.ov, LAYOUT.segment)
         esc = np.repeat(escaped.reshape(rows, segs), LAYOUT.segment, axis=1)[:, :cp]
         h = np.where(esc, (ovn.reshape(rows, segs * LAYOUT.segment)[:, :cp] << 4) | c, h)
-    lo = p.lo.view(np.uint8).reshape(rows, cp)
-    return ((h << 8) | lo)[:, :cols]
+    lo = np.ascontiguousarray(p.lo).view(np.uint8).reshape(rows, 2, cp // LAYOUT.group, 4)
+    lo = lo.transpose(0, 2, 1, 3).reshape(rows, cp)
+    return _unstripe((h << 8) | lo, cols)
 
 
 def decode_jax(p: Packed12) -> jax.Array:
@@ -220,12 +255,17 @@ def decode_jax(p: Packed12) -> jax.Array:
     as a kernel does: flag bit, rank = ovbase + popcount of the lower flag bits, then the overflow
     word at rank * 8 + m % 8. Jittable (shape and base are static).
     """
+    return _unstripe(decode_stored_jax(p), p.shape[1])
+
+
+def decode_stored_jax(p: Packed12) -> jax.Array:
+    """`decode_jax` before the stripe permutation: [R, Cp] uint16 in stored order."""
     rows, cols = p.shape
     cp, segs, _ = _dims(p.shape)
     per_seg = LAYOUT.segment // LAYOUT.group
     u32 = jnp.uint32
     pc = jnp.asarray(p.code, u32)  # [R, M]
-    lo = jnp.asarray(p.lo, u32).reshape(rows, cp // LAYOUT.group, 2)  # [R, M, 2]: elements 0-3, 4-7
+    lo = jnp.asarray(p.lo, u32).reshape(rows, 2, cp // LAYOUT.group).transpose(0, 2, 1)  # [R, M, 2]
     m = jnp.arange(cp // LAYOUT.group, dtype=u32)
     g = jnp.arange(rows, dtype=u32)[:, None] * segs + m // per_seg  # segment of each super-word
     word = jnp.asarray(p.flag, u32)[g // LAYOUT.flag_bits]
@@ -247,4 +287,63 @@ def decode_jax(p: Packed12) -> jax.Array:
         w02 = (low & even) | ((high << 8) & odd)  # bf16x2 of elements 0 and 2
         w13 = ((low >> 8) & even) | (high & odd)  # elements 1 and 3
         halves.append(jnp.stack([w02 & 0xFFFF, w13 & 0xFFFF, w02 >> 16, w13 >> 16], axis=-1))
-    return jnp.concatenate(halves, axis=-1).reshape(rows, cp)[:, :cols].astype(jnp.uint16)
+    return jnp.concatenate(halves, axis=-1).reshape(rows, cp).astype(jnp.uint16)
+
+
+# ----------------------------------------------------------------------------- device encoder
+
+@jax.jit
+def _plan_jax(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_plan` in jnp: (base, [R, S] escape mask), on whatever device holds `w`."""
+    lo, hi = _segment_ranges(w, jnp)
+    first = jnp.maximum(hi - (LAYOUT.window - 1), 0)
+    last = jnp.minimum(lo, LAYOUT.max_base)
+    fits = (first <= last).ravel()
+    n = LAYOUT.max_base + 2
+    add = jnp.zeros(n, jnp.int32).at[first.ravel()].add(fits)
+    drop = jnp.zeros(n, jnp.int32).at[jnp.minimum(last.ravel() + 1, n - 1)].add(fits)
+    base = jnp.argmax(jnp.cumsum(add - drop)[:-1])
+    return base, ~((lo >= base) & (hi <= base + LAYOUT.window - 1))
+
+
+def _pack_nibbles_jax(c: jax.Array) -> jax.Array:
+    c = c.astype(jnp.uint32).reshape(*c.shape[:-1], c.shape[-1] // 8, 2, 4)
+    b = c[..., 0, :] | (c[..., 1, :] << 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _bytes_to_words(b: jax.Array) -> jax.Array:
+    b = b.astype(jnp.uint32).reshape(*b.shape[:-1], b.shape[-1] // 4, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+@functools.partial(jax.jit, static_argnames=("base", "n_escape"))
+def _encode_planes_jax(w, escaped, base: int, n_escape: int):
+    rows, cols = w.shape
+    cp, segs, nflag = _dims(w.shape)
+    u = jnp.pad(_stripe(w, cols, base << 8), ((0, 0), (0, segs * LAYOUT.segment - cp)),
+                constant_values=base << 8).astype(jnp.uint32)
+    h = (u >> 8).reshape(rows, segs, LAYOUT.segment)
+    normal = ((h >> 7) << 3) | ((h & 0x7F) - base)
+    codes = jnp.where(escaped[..., None], h & 0xF, normal & 0xF).reshape(rows, segs * LAYOUT.segment)
+    low = (u[:, :cp] & 0xFF).reshape(rows, cp // LAYOUT.group, 2, 4).transpose(0, 2, 1, 3)
+    lo = _bytes_to_words(low.reshape(rows, cp))
+    which = jnp.nonzero(escaped.ravel(), size=n_escape)[0]
+    ov = _pack_nibbles_jax(h.reshape(rows * segs, LAYOUT.segment)[which] >> 4)
+    bits = jnp.zeros(nflag * LAYOUT.flag_bits, jnp.uint32).at[:rows * segs].set(escaped.ravel())
+    bits = bits.reshape(nflag, LAYOUT.flag_bits)
+    flag = jnp.sum(bits << jnp.arange(LAYOUT.flag_bits, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+    counts = jnp.sum(bits, axis=1, dtype=jnp.uint32)
+    return lo, _pack_nibbles_jax(codes[:, :cp]), flag, jnp.cumsum(counts) - counts, ov
+
+
+def encode_jax(w: jax.Array) -> Packed12:
+    """`encode` on the device for large tensors (benchmarks pack 8B-shaped models with it): the
+    same planes, as jax arrays. One host sync reads the escape count, which sizes `ov`."""
+    w = jnp.asarray(w)
+    if w.dtype != jnp.uint16 or w.ndim != 2:
+        raise ValueError(f"expected a 2-D uint16 array of bf16 bit patterns, got {w.dtype}{list(w.shape)}")
+    base, escaped = _plan_jax(w)
+    base, n_escape = int(base), int(escaped.sum())
+    lo, code, flag, ovbase, ov = _encode_planes_jax(w, escaped, base, n_escape)
+    return Packed12(lo=lo, code=code, flag=flag, ovbase=ovbase, ov=ov, shape=tuple(w.shape), base=base)
