@@ -1,0 +1,243 @@
+"""Skinny GEMM kernels on the device: correctness, then read bandwidth, GEMV/skinny-GEMM bandwidth
+(XLA bf16 vs ours bf16 vs ours 12-bit) and the Llama-3-8B-shaped decode step.
+
+    python benchmarks/kernels_h200.py --parts bw,gemv,step [--sweep] [--budget-s 480]
+
+Every timing is R dependent calls inside one jit (a `lax.fori_loop` whose carry feeds the next
+call), median of several repeats; weights rotate over enough copies to exceed the 60 MB L2.
+Bandwidth is bf16-equivalent: 2 * K * N bytes over time, for the 12-bit kernel too (so its
+figure over the read bandwidth is its speedup over a perfect bf16 read). Writes
+$OUT/kernels_h200.json and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pallas_kernels.skinny_gemm import (GemmConfig, prepare_bf16, skinny_gemm,  # noqa: E402
+                                        skinny_gemm_reference)
+from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12  # noqa: E402
+from specjax.weights.lh12 import encode_jax  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
+TOKENS = [1, 4, 16, 64]
+L2_BYTES = 60e6
+T0 = time.time()
+RESULTS: dict = {}
+INTERPRET = False  # --smoke: tiny shapes in Pallas interpret mode, to check the script on a CPU
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def save(out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels_h200.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def timed(fn, *args, repeats: int = 5) -> float:
+    """Median seconds of one call of `fn` (which runs R calls inside; see `looped`)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def looped(gemm, reps: int):
+    """jit(x, weights) running reps rounds over every weight copy; x carries the dependency."""
+    def run(x, weights):
+        def body(_, x):
+            ys = [gemm(x, w) for w in weights]
+            return x + (sum(y[:, :1] for y in ys) * 0.0).astype(x.dtype)
+        return jax.lax.fori_loop(0, reps, body, x)
+    return jax.jit(run)
+
+
+def random_bits(key, shape, scale=0.02):
+    w = (scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(w, jnp.uint16)
+
+
+# --------------------------------------------------------------------------- read bandwidth
+
+def read_bandwidth() -> dict:
+    """Read-only streaming: XLA's column sum and a Pallas read kernel over 4 GiB of bf16."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    rows, cols = 1 << 22, 512
+    x = jax.random.normal(jax.random.PRNGKey(0), (rows, cols), jnp.bfloat16)
+    nbytes = x.size * 2
+    out = {"bytes": nbytes}
+    xla = jax.jit(lambda x: jnp.sum(x, axis=0, dtype=jnp.float32))
+    out["xla_colsum_TBps"] = nbytes / timed(xla, x) / 1e12
+    for rb, nw in [(4096, 4), (8192, 8), (2048, 4)]:
+        def kernel(x_ref, o_ref):
+            def body(i, acc):
+                return acc + x_ref[pl.ds(i * 16, 16), :].astype(jnp.float32)
+            o_ref[...] = jax.lax.fori_loop(0, rb // 16, body, jnp.zeros((16, cols), jnp.float32))
+        f = jax.jit(lambda x: pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((rows // rb * 16, cols), jnp.float32),
+            grid=(rows // rb,), in_specs=[pl.BlockSpec((rb, cols), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((16, cols), lambda i: (i, 0)),
+            compiler_params=plgpu.CompilerParams(num_warps=nw, num_stages=3))(x))
+        try:
+            out[f"pallas_read_rb{rb}_w{nw}_TBps"] = nbytes / timed(f, x) / 1e12
+        except Exception as e:  # noqa: BLE001 - record and go on
+            out[f"pallas_read_rb{rb}_w{nw}_error"] = repr(e)[:300]
+    out["read_TBps"] = max(v for k, v in out.items() if k.endswith("_TBps"))
+    log("read bandwidth", {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()})
+    return out
+
+
+# --------------------------------------------------------------------------- GEMV
+
+def check_kernels(shape, cfg: GemmConfig, packed, bits) -> dict:
+    """Against the reference (relative error), bf16 vs 12-bit bitwise, and T-invariance bitwise."""
+    k, _ = shape
+    w = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    x = jax.random.normal(jax.random.PRNGKey(7), (16, k), jnp.bfloat16)
+    y16 = skinny_gemm(x, prepare_bf16(w, cfg, INTERPRET))
+    y12 = skinny_gemm_lh12(x, prepare_lh12(packed, cfg, INTERPRET))
+    y1 = skinny_gemm(x[3:4], prepare_bf16(w, cfg, INTERPRET))
+    ref = skinny_gemm_reference(x, w)
+    rel = float(jnp.linalg.norm(y16 - ref) / jnp.linalg.norm(ref))
+    return {"rel_err_vs_reference": rel,
+            "bf16_equals_lh12_bitwise": bool(jnp.array_equal(y16, y12)),
+            "row_T1_equals_row_T16_bitwise": bool(jnp.array_equal(y1[0], y16[3])),
+            "finite": bool(jnp.all(jnp.isfinite(y12)))}
+
+
+def gemv_configs(shape):
+    k, n = shape
+    out = []
+    for bn in (256, 512):
+        for bk in (64, 128):
+            grid_n = -(-(-(-n // 8)) // (bn // 8))
+            split = max(1, min(16, -(-264 // grid_n)))
+            while split > 1 and k % (bk * split):
+                split -= 1
+            for nw, ns in ((4, 3), (8, 3)):
+                out.append(GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=nw, num_stages=ns))
+    return out
+
+
+def gemv(sweep: bool, budget_s: float) -> dict:
+    res = {}
+    for shape in SHAPES:
+        k, n = shape
+        key = f"{k}x{n}"
+        nbytes = 2 * k * n
+        copies = max(1, int(np.ceil(3 * L2_BYTES / (0.75 * nbytes))))
+        keys = jax.random.split(jax.random.PRNGKey(k + n), copies)
+        bits = [random_bits(kk, shape) for kk in keys]
+        packed = [encode_jax(b) for b in bits]
+        w16 = [jax.lax.bitcast_convert_type(b, jnp.bfloat16) for b in bits]
+        reps = max(2, int(2e-3 / (nbytes / 4e12 * copies)))
+        entry = {"copies": copies, "reps": reps, "escape_segments": [p.n_escape for p in packed],
+                 "lh12_bits_per_weight": packed[0].bits_per_weight}
+
+        def bw(gemm, weights, t):
+            x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
+            return nbytes * copies * reps / timed(looped(gemm, reps), x, weights) / 1e12
+
+        xla = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+        entry["xla_TBps"] = {t: bw(xla, w16, t) for t in TOKENS}
+        # choose configs at T = 16: numerics (block_k, split_k) by the 12-bit kernel, shared
+        cands = gemv_configs(shape) if sweep else [gemv_configs(shape)[0]]
+        tried = {}
+        for cfg in cands:
+            if time.time() - T0 > budget_s:
+                break
+            try:
+                t12 = bw(skinny_gemm_lh12, [prepare_lh12(p, cfg, INTERPRET) for p in packed], 16)
+                tried[cfg] = t12
+            except Exception as e:  # noqa: BLE001
+                entry.setdefault("errors", []).append(f"{cfg}: {e!r}"[:400])
+                log(key, "lh12 error", cfg, repr(e)[:300])
+        if not tried:
+            res[key] = entry
+            continue
+        best12 = max(tried, key=tried.get)
+        same = [c for c in cands if c.numerics == best12.numerics]
+        tried16 = {}
+        for cfg in same[:6] if sweep else [best12]:
+            try:
+                tried16[cfg] = bw(skinny_gemm, [prepare_bf16(w, cfg, INTERPRET) for w in w16], 16)
+            except Exception as e:  # noqa: BLE001
+                entry.setdefault("errors", []).append(f"bf16 {cfg}: {e!r}"[:400])
+        best16 = max(tried16, key=tried16.get) if tried16 else best12
+        entry["sweep_T16_lh12"] = {str(c): v for c, v in tried.items()}
+        entry["sweep_T16_bf16"] = {str(c): v for c, v in tried16.items()}
+        entry["config_lh12"], entry["config_bf16"] = str(best12), str(best16)
+        entry["check"] = check_kernels(shape, best12, packed[0], bits[0])
+        lw = [prepare_lh12(p, best12, INTERPRET) for p in packed]
+        bw16 = [prepare_bf16(w, best16, INTERPRET) for w in w16]
+        entry["ours_bf16_TBps"] = {t: bw(skinny_gemm, bw16, t) for t in TOKENS}
+        entry["ours_lh12_TBps"] = {t: bw(skinny_gemm_lh12, lw, t) for t in TOKENS}
+        res[key] = entry
+        log(key, "xla", fmt(entry["xla_TBps"]), "bf16", fmt(entry["ours_bf16_TBps"]),
+            "lh12", fmt(entry["ours_lh12_TBps"]), entry["check"])
+        RESULTS["gemv"] = res
+        save(Path(os.environ.get("OUT", ".")))
+    return res
+
+
+def fmt(d):
+    return " ".join(f"{v:.2f}" for v in d.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="bw,gemv")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
+    args = ap.parse_args()
+    if args.smoke:
+        global INTERPRET, SHAPES, TOKENS, L2_BYTES
+        INTERPRET, SHAPES, TOKENS, L2_BYTES = True, [(256, 1024)], [1, 16], 1e6
+    out = Path(os.environ.get("OUT", "."))
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    RESULTS["meta"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "commit": commit, "jax": jax.__version__,
+                       "device": jax.devices()[0].device_kind}
+    parts = args.parts.split(",")
+    if "bw" in parts:
+        RESULTS["read_bandwidth"] = read_bandwidth()
+        save(out)
+    if "gemv" in parts:
+        gemv(args.sweep, args.budget_s)
+    save(out)
+    read = RESULTS.get("read_bandwidth", {}).get("read_TBps", 4.07)
+    print(f"\nread bandwidth {read:.2f} TB/s; GEMV effective TB/s (bf16-equivalent) at T = {TOKENS}")
+    print(f"{'shape':>12} {'XLA bf16':>24} {'ours bf16':>24} {'ours 12-bit':>24} {'12/16 @T<=16':>12}")
+    for key, e in RESULTS.get("gemv", {}).items():
+        if "ours_lh12_TBps" not in e:
+            print(f"{key:>12} errors: {e.get('errors', ['?'])[:1]}")
+            continue
+        r = min(e["ours_lh12_TBps"][t] / e["ours_bf16_TBps"][t] for t in TOKENS if t <= 16)
+        print(f"{key:>12} {fmt(e['xla_TBps']):>24} {fmt(e['ours_bf16_TBps']):>24} "
+              f"{fmt(e['ours_lh12_TBps']):>24} {r:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Skinny GEMM over bf16 weights: y[T, N] = x[T, K] @ W[K, N] for T = 1..64 (decode and verify).
+
+One program owns `block_n` output columns as 8 blocks of `block_n // 8`, one in each column stripe
+(stripe i = columns [i*M, (i+1)*M), M = N / 8), and a 1/split_k share of K. This is the shape the
+12-bit kernel (skinny_gemm_lh12.py) decodes into, so both kernels run the same dots in the same
+order and give bitwise equal outputs on the same weights. The order, per output column: rows in
+chunks of 16 (a tensor-core dot of [16, block_k] x [block_k, block_n // 8] per K step, so row t's
+result never depends on T: AR steps and verify steps agree bit for bit), K steps accumulated in
+order, then the split_k partials added in order. `block_k` and `split_k` therefore are numerics,
+not just speed; `block_n`, `num_warps` and `num_stages` are speed only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+STRIPES = 8  # column stripes: LH12 super-words hold 8 weights (specjax/weights/lh12.py)
+ROW_CHUNK = 16  # rows per tensor-core dot; M = 16 keeps Triton on mma.sync for every T
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tuning config of both skinny GEMMs (bf16 and LH12)."""
+
+    block_n: int = 256  # output columns per program (block_n // 8 in each stripe)
+    block_k: int = 64  # rows of W per K step (numerics)
+    split_k: int = 1  # programs along K, partials added in order (numerics)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        bm = self.block_n // STRIPES
+        if self.block_n % (STRIPES * 16) or bm & (bm - 1):
+            raise ValueError(f"block_n must be 8 x a power of two >= 16, got {self.block_n}")
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+
+    @property
+    def block_m(self) -> int:
+        """Columns per stripe per program (super-words, in LH12 terms)."""
+        return self.block_n // STRIPES
+
+    @property
+    def numerics(self) -> tuple[int, int]:
+        """What fixes the reduction order: configs that share it give bitwise equal outputs."""
+        return (self.block_k, self.split_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Padded sizes of one weight under one config."""
+
+    k: int
+    n: int
+    m: int  # columns per stripe, ceil(n / 8)
+    mp: int  # m rounded up to block_m
+    kp: int  # k rounded up to block_k * split_k
+    steps: int  # K steps per program
+
+    @staticmethod
+    def of(shape: tuple[int, int], cfg: GemmConfig) -> "Geometry":
+        k, n = shape
+        m = -(-n // STRIPES)
+        mp = -(-m // cfg.block_m) * cfg.block_m
+        per = cfg.block_k * cfg.split_k
+        kp = -(-k // per) * per
+        return Geometry(k, n, m, mp, kp, kp // per)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(eq=False)
+class GemmWeight:
+    """A bf16 weight [K, N] laid out for `skinny_gemm`: [Kp, 8 * Mp], stripe i at columns
+    [i * Mp, i * Mp + M). When N = 8M, M = Mp and K = Kp (large models) it is the plain matrix."""
+
+    w: jax.Array
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    config: GemmConfig = dataclasses.field(metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def prepare_bf16(w: jax.Array, config: GemmConfig, interpret: bool = False) -> GemmWeight:
+    """[K, N] weight -> GemmWeight (a copy only where padding is needed)."""
+    g = Geometry.of(tuple(w.shape), config)
+    w = jnp.asarray(w, jnp.bfloat16)
+    if (STRIPES * g.m, g.mp, g.kp) != (g.n, g.m, g.k):
+        w = jnp.pad(w, ((0, g.kp - g.k), (0, STRIPES * g.m - g.n)))
+        w = jnp.pad(w.reshape(g.kp, STRIPES, g.m), ((0, 0), (0, 0), (0, g.mp - g.m)))
+        w = w.reshape(g.kp, STRIPES * g.mp)
+    return GemmWeight(w=w, shape=(g.k, g.n), config=config, interpret=interpret)
+
+
+def unprepare_bf16(gw: GemmWeight) -> jax.Array:
+    """The plain [K, N] matrix back (for paths that use XLA, e.g. prefill)."""
+    g = Geometry.of(gw.shape, gw.config)
+    if (STRIPES * g.m, g.mp, g.kp) == (g.n, g.m, g.k):
+        return gw.w
+    return gw.w.reshape(g.kp, STRIPES, g.mp)[:g.k, :, :g.m].reshape(g.k, STRIPES * g.m)[:, :g.n]
+
+
+def pad_rows(x: jax.Array, g: Geometry) -> jax.Array:
+    """x [T, K] -> bf16 [Tp, Kp], Tp a multiple of 16; zero rows and columns add exact zeros."""
+    t = x.shape[0]
+    tp = -(-t // ROW_CHUNK) * ROW_CHUNK
+    return jnp.pad(x.astype(jnp.bfloat16), ((0, tp - t), (0, g.kp - g.k)))
+
+
+def finish(partials: jax.Array, g: Geometry, t: int) -> jax.Array:
+    """[split_k, Tp, 8 * Mp] float32 partials -> y [T, N]: added in split order, then unpadded."""
+    y = partials[0]
+    for s in range(1, partials.shape[0]):  # a fixed order, the same in both kernels
+        y = y + partials[s]
+    if (STRIPES * g.m, g.mp) != (g.n, g.m):
+        y = y.reshape(-1, STRIPES, g.mp)[:, :, :g.m].reshape(-1, STRIPES * g.m)[:, :g.n]
+    return y[:t]
+
+
+def chunked_dots(xs, tiles, accs):
+    """accs[i * chunks + c] += xs[c] @ tiles[i]: the one dot pattern both kernels share."""
+    out = list(accs)
+    for i, tile in enumerate(tiles):
+        for c, xc in enumerate(xs):
+            out[i * len(xs) + c] = out[i * len(xs) + c] + jnp.dot(
+                xc, tile, preferred_element_type=jnp.float32)
+    return tuple(out)
+
+
+def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, chunks: int):
+    j, s = pl.program_id(0), pl.program_id(1)
+    for i in range(STRIPES):
+        col = pl.multiple_of(i * g.mp + j * cfg.block_m, cfg.block_m)
+        for c in range(chunks):
+            o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, cfg.block_m)] = accs[i * chunks + c]
+
+
+def x_chunks(x_ref, k0, cfg: GemmConfig, chunks: int):
+    return [x_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(k0, cfg.block_k)] for c in range(chunks)]
+
+
+def compiler_params(cfg: GemmConfig, interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu  # GPU only
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, chunks: int):
+    j, s = pl.program_id(0), pl.program_id(1)
+    bm = cfg.block_m
+
+    def step(i, accs):
+        k0 = pl.multiple_of((s * g.steps + i) * cfg.block_k, cfg.block_k)
+        tiles = [w_ref[pl.ds(k0, cfg.block_k), pl.ds(pl.multiple_of(e * g.mp + j * bm, bm), bm)]
+                 for e in range(STRIPES)]
+        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), tiles, accs)
+
+    zero = jnp.zeros((ROW_CHUNK, bm), jnp.float32)
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * (STRIPES * chunks))
+    store_accs(o_ref, accs, g, cfg, chunks)
+
+
+@jax.jit
+def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
+    """x [T, K] (any float dtype, used as bf16) @ W -> float32 [T, N]."""
+    cfg, g = gw.config, Geometry.of(gw.shape, gw.config)
+    if x.ndim != 2 or x.shape[1] != g.k:
+        raise ValueError(f"skinny_gemm: x is {list(x.shape)}, weight is {list(gw.shape)}")
+    xp = pad_rows(x, g)
+    chunks = xp.shape[0] // ROW_CHUNK
+    partials = pl.pallas_call(
+        functools.partial(_bf16_kernel, g=g, cfg=cfg, chunks=chunks),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),
+        grid=(g.mp // cfg.block_m, cfg.split_k),
+        compiler_params=compiler_params(cfg, gw.interpret),
+        interpret=gw.interpret,
+        name="skinny_gemm_bf16",
+    )(xp, gw.w)
+    return finish(partials, g, x.shape[0])
+
+
+def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """What `skinny_gemm` computes, in plain JAX: bf16 operands, float32 accumulation."""
+    return jnp.dot(x.astype(jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def bytes_read(shape: tuple[int, int]) -> int:
+    """bf16 bytes of a [K, N] weight: the floor's numerator for both kernels (bf16-equivalent)."""
+    return int(np.prod(shape)) * 2

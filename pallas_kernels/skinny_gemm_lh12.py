@@ -1,0 +1,169 @@
+"""Skinny GEMM over LH12 (lossless 12-bit) weights, decoded in registers: no bf16 copy in HBM.
+
+Per K step a program loads a [block_k, block_m] block of the `code` plane and of each `lo` half
+(12 bits per weight), rebuilds the high bytes four at a time (SWAR on 32-bit words), interleaves
+them with the low bytes into bf16 pairs, and splits those into the 8 stripe tiles that
+skinny_gemm.py reads from a plain bf16 matrix. The dots, their order and the split-K sum are
+shared with that kernel (`chunked_dots`, `finish`), so on the same weights both give bitwise
+equal outputs: a 12-bit target yields exactly the bf16 target's tokens.
+
+Escapes (segments outside the exponent window) are patched before the multiply, never after:
+a per-tile escape count (computed when the weight is prepared) selects the path that looks up
+each super-word's flag bit, its rank (ovbase + popcount) and its overflow word, as
+`specjax.weights.lh12.decode_jax` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, chunked_dots,
+                                        compiler_params, finish, pad_rows, store_accs, x_chunks)
+from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax
+
+_U32 = np.uint32
+SEG_WORDS = LAYOUT.segment // LAYOUT.group  # super-words per escape segment (8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(eq=False)
+class Lh12GemmWeight:
+    """LH12 planes laid out for `skinny_gemm_lh12` (padded to the config's blocks)."""
+
+    code: jax.Array  # [Kp, Mp] uint32
+    lo: jax.Array  # [Kp, 2 * Mp] uint32: elements 0-3 at [0, Mp), 4-7 at [Mp, 2 Mp)
+    flag: jax.Array  # [nf] uint32, zero past the tensor so padded rows never escape
+    ovbase: jax.Array  # [nf] uint32
+    ov: jax.Array  # [8 * n_escape + 8] uint32, flat; the last 8 words are a zero sentinel
+    tile_escapes: jax.Array  # [Kp / block_k, Mp / block_m] int32: escape super-words per tile
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    base: int = dataclasses.field(metadata=dict(static=True))
+    config: GemmConfig = dataclasses.field(metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def segments_per_row(self) -> int:
+        return -(-self.shape[1] // LAYOUT.segment)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMM streams (planes and escape data; not the per-tile counts)."""
+        return sum(int(a.size) * 4 for a in (self.code, self.lo, self.flag, self.ovbase, self.ov))
+
+
+def escaped_superwords(p: Packed12) -> np.ndarray:
+    """[K, M] bool: super-words in escape segments."""
+    rows, cols = p.shape
+    segs = -(-cols // LAYOUT.segment)
+    m = -(-cols // LAYOUT.group)
+    flags = np.unpackbits(np.asarray(p.flag).view(np.uint8), bitorder="little")[:rows * segs]
+    return np.repeat(flags.reshape(rows, segs).astype(bool), SEG_WORDS, axis=1)[:, :m]
+
+
+def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False) -> Lh12GemmWeight:
+    """Pad a tensor's planes to the config's blocks and count escapes per tile."""
+    g = Geometry.of(p.shape, config)
+    segs = -(-p.shape[1] // LAYOUT.segment)
+    pad2 = lambda a: jnp.pad(jnp.asarray(a, jnp.uint32), ((0, g.kp - g.k), (0, g.mp - g.m)))
+    lo = jnp.asarray(p.lo, jnp.uint32)
+    nf = (g.kp * segs + g.mp // SEG_WORDS) // LAYOUT.flag_bits + 2  # every g a padded tile forms
+    pad1 = lambda a: jnp.pad(jnp.asarray(a, jnp.uint32), (0, nf - a.shape[0]))
+    esc = np.pad(escaped_superwords(p), ((0, g.kp - g.k), (0, g.mp - g.m)))
+    tiles = esc.reshape(g.kp // config.block_k, config.block_k, g.mp // config.block_m, config.block_m)
+    return Lh12GemmWeight(
+        code=pad2(p.code), lo=jnp.concatenate([pad2(lo[:, :g.m]), pad2(lo[:, g.m:])], axis=1),
+        flag=pad1(p.flag), ovbase=pad1(p.ovbase),
+        ov=jnp.concatenate([jnp.asarray(p.ov, jnp.uint32).reshape(-1), jnp.zeros(SEG_WORDS, jnp.uint32)]),
+        tile_escapes=jnp.asarray(tiles.sum(axis=(1, 3)), jnp.int32),
+        shape=p.shape, base=p.base, config=config, interpret=interpret)
+
+
+def high_bytes(code, base: int):
+    """Code words -> high bytes of elements 0-3 (ha) and 4-7 (hb), four per word.
+    H = sign << 7 | (base + offset); base + 7 <= 127, so the byte-wise add never carries."""
+    b4 = _U32(base * 0x01010101)
+    ha = ((code & _U32(0x07070707)) + b4) | ((code << 4) & _U32(0x80808080))
+    hb = (((code >> 4) & _U32(0x07070707)) + b4) | (code & _U32(0x80808080))
+    return ha, hb
+
+
+def stripe_tiles(lo_a, lo_b, ha, hb):
+    """Low and high bytes (4 per word) -> the 8 stripe tiles as bf16, element i -> stripe i."""
+    tiles = [None] * STRIPES
+    for half, (low, high) in enumerate(((lo_a, ha), (lo_b, hb))):
+        w02 = (low & _U32(0x00FF00FF)) | ((high << 8) & _U32(0xFF00FF00))  # bf16x2 {e0, e2}
+        w13 = ((low >> 8) & _U32(0x00FF00FF)) | (high & _U32(0xFF00FF00))  # {e1, e3}
+        for i, bits in enumerate((w02 & _U32(0xFFFF), w13 & _U32(0xFFFF), w02 >> 16, w13 >> 16)):
+            tiles[4 * half + i] = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+    return tiles
+
+
+def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, o_ref, *,
+                 g: Geometry, cfg: GemmConfig, base: int, segs: int, chunks: int):
+    j, s = pl.program_id(0), pl.program_id(1)
+    bk, bm = cfg.block_k, cfg.block_m
+    m0 = pl.multiple_of(j * bm, bm)
+
+    def patch(k0, code, ha, hb):
+        """High bytes of escape segments from the overflow nibbles (the rare path)."""
+        r = (k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 0)).astype(jnp.uint32)
+        m = (m0 + jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 1)).astype(jnp.uint32)
+        seg = r * _U32(segs) + (m >> 3)
+        word = flag_ref[(seg >> 5).astype(jnp.int32)]
+        bit = seg & _U32(31)
+        esc = ((word >> bit) & _U32(1)) == _U32(1)
+        rank = ovbase_ref[(seg >> 5).astype(jnp.int32)] + jax.lax.population_count(
+            word & ((_U32(1) << bit) - _U32(1)))
+        sentinel = _U32(ov_ref.shape[0] - SEG_WORDS)
+        ovw = ov_ref[jnp.where(esc, rank * _U32(SEG_WORDS) + (m & _U32(7)), sentinel).astype(jnp.int32)]
+        ha = jnp.where(esc, (code & _U32(0x0F0F0F0F)) | ((ovw << 4) & _U32(0xF0F0F0F0)), ha)
+        hb = jnp.where(esc, ((code >> 4) & _U32(0x0F0F0F0F)) | (ovw & _U32(0xF0F0F0F0)), hb)
+        return ha, hb
+
+    def step(i, accs):
+        kb = s * g.steps + i
+        k0 = pl.multiple_of(kb * bk, bk)
+        code = code_ref[pl.ds(k0, bk), pl.ds(m0, bm)]
+        lo_a = lo_ref[pl.ds(k0, bk), pl.ds(m0, bm)]
+        lo_b = lo_ref[pl.ds(k0, bk), pl.ds(pl.multiple_of(g.mp + m0, bm), bm)]
+        ha, hb = high_bytes(code, base)
+        ha, hb = jax.lax.cond(esc_ref[kb, j] > 0, lambda: patch(k0, code, ha, hb), lambda: (ha, hb))
+        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), stripe_tiles(lo_a, lo_b, ha, hb), accs)
+
+    zero = jnp.zeros((ROW_CHUNK, bm), jnp.float32)
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * (STRIPES * chunks))
+    store_accs(o_ref, accs, g, cfg, chunks)
+
+
+@jax.jit
+def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
+    """x [T, K] (used as bf16) @ decode(W) -> float32 [T, N], bitwise equal to `skinny_gemm` on the
+    decoded weight under a config with the same `numerics`."""
+    cfg, g = lw.config, Geometry.of(lw.shape, lw.config)
+    if x.ndim != 2 or x.shape[1] != g.k:
+        raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
+    xp = pad_rows(x, g)
+    chunks = xp.shape[0] // ROW_CHUNK
+    kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
+                               chunks=chunks)
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),
+        grid=(g.mp // cfg.block_m, cfg.split_k),
+        compiler_params=compiler_params(cfg, lw.interpret),
+        interpret=lw.interpret,
+        name="skinny_gemm_lh12",
+    )(xp, lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
+    return finish(partials, g, x.shape[0])
+
+
+def skinny_gemm_lh12_reference(x: jax.Array, p: Packed12) -> jax.Array:
+    """What `skinny_gemm_lh12` computes, in plain JAX: decode to bf16, then a float32-accumulated dot."""
+    w = jax.lax.bitcast_convert_type(decode_jax(p), jnp.bfloat16)
+    return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
