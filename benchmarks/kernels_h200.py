@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.skinny_gemm import (GemmConfig, prepare_bf16, skinny_gemm,  # noqa: E402
+from pallas_kernels.skinny_gemm import (GemmConfig, default_config, prepare_bf16, skinny_gemm,  # noqa: E402
                                         skinny_gemm_reference)
 from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12  # noqa: E402
 from specjax.weights.lh12 import encode_jax  # noqa: E402
@@ -125,7 +125,7 @@ def check_kernels(shape, cfg: GemmConfig, packed, bits) -> dict:
 
 def gemv_configs(shape):
     k, n = shape
-    out = []
+    out = [default_config(shape)]
     for bn in (256, 512):
         for bk in (64, 128):
             grid_n = -(-(-(-n // 8)) // (bn // 8))
@@ -134,7 +134,7 @@ def gemv_configs(shape):
                 split -= 1
             for nw, ns in ((4, 3), (8, 3)):
                 out.append(GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=nw, num_stages=ns))
-    return out
+    return list(dict.fromkeys(out))
 
 
 def gemv(sweep: bool, budget_s: float) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.costmodel.model import predict
-from specjax.search.evaluate import Evaluator, candidate_arrays
+from specjax.search.evaluate import Evaluator, cost_inputs
 from specjax.search.loop import AR_CONFIG, config_key, git_commit
 from specjax.search.plots import median_relative_error, spearman
 from specjax.search.run import run_search
@@ -112,8 +112,8 @@ def predicted(ev: Evaluator, profiles: dict, configs: list[dict]) -> list[float]
     profiles = {k: np.asarray(v) for k, v in profiles.items()}
     out = []
     for c in configs:  # one at a time: each config's own cache size
-        k, kind, layers, alpha = candidate_arrays([c], profiles)
-        out.append(float(predict(ev.dims(int(max(k.max(), 1))), ev.device, k, kind, layers, alpha)["tokens_per_s"][0]))
+        inputs = cost_inputs([c], profiles)
+        out.append(float(predict(ev.dims(int(max(inputs["k"].max(), 1))), ev.device, **inputs)["tokens_per_s"][0]))
     return out
 
 

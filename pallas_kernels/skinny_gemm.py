@@ -75,6 +75,23 @@ class Geometry:
         return Geometry(k, n, m, mp, kp, kp // per)
 
 
+TARGET_PROGRAMS = 264  # two waves of the H200's 132 multiprocessors
+
+
+def default_config(shape: tuple[int, int], block_n: int = 256, block_k: int = 64) -> GemmConfig:
+    """A config from the shape alone (so bf16 and 12-bit weights of one shape share its numerics):
+    split K until about TARGET_PROGRAMS programs run, keeping >= 4 K steps per program and a split
+    that divides K (no padded copy of a large weight)."""
+    k, n = shape
+    m = -(-n // STRIPES)
+    grid_n = -(-m // (block_n // STRIPES))
+    steps = max(1, -(-k // block_k))
+    split = max(1, min(16, -(-TARGET_PROGRAMS // grid_n), steps // 4))
+    while split > 1 and steps % split:
+        split -= 1
+    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(eq=False)
 class GemmWeight:

@@ -167,3 +167,20 @@ def skinny_gemm_lh12_reference(x: jax.Array, p: Packed12) -> jax.Array:
     """What `skinny_gemm_lh12` computes, in plain JAX: decode to bf16, then a float32-accumulated dot."""
     w = jax.lax.bitcast_convert_type(decode_jax(p), jnp.bfloat16)
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+
+def unprepare_lh12(lw: Lh12GemmWeight) -> Packed12:
+    """The tensor's own planes back, without the kernel's padding (for XLA paths, e.g. prefill)."""
+    g = Geometry.of(lw.shape, lw.config)
+    segs = lw.segments_per_row
+    nflag = -(-g.k * segs // LAYOUT.flag_bits)
+    n_escape = (lw.ov.shape[0] - SEG_WORDS) // SEG_WORDS
+    lo = jnp.concatenate([lw.lo[:g.k, :g.m], lw.lo[:g.k, g.mp:g.mp + g.m]], axis=1)
+    return Packed12(lo=lo, code=lw.code[:g.k, :g.m], flag=lw.flag[:nflag], ovbase=lw.ovbase[:nflag],
+                    ov=lw.ov[:n_escape * SEG_WORDS].reshape(n_escape, SEG_WORDS),
+                    shape=lw.shape, base=lw.base)
+
+
+def dense_lh12(lw: Lh12GemmWeight) -> jax.Array:
+    """The decoded bf16 matrix [K, N] (materialized: only for paths that are not weight-bound)."""
+    return jax.lax.bitcast_convert_type(decode_jax(unprepare_lh12(lw)), jnp.bfloat16)
