@@ -113,9 +113,58 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("out", help="output file, ending in .w12 (load it anywhere a model is taken)")
     k.set_defaults(func=cmd_pack)
 
+    t = sub.add_parser("tune-kernels", help="tune the skinny GEMM tiles for a model's shapes on this GPU")
+    what = t.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="registry name (smollm2-135m), HF checkpoint directory, .gguf or .w12 "
+                                      "file: its w_qkv, w_o, w_gate_up, w_down and lm_head shapes")
+    what.add_argument("--shapes", help="[in, out] weight shapes instead of a model, e.g. 4096x4096,4096x14336")
+    t.add_argument("--budget-s", type=float, default=300.0, help="seconds of tuning (default 300)")
+    t.add_argument("--ceiling-gbps", type=float,
+                   help="read bandwidth the gaps are measured to (default: this device's calibration, "
+                        "else its nominal figure, else the H200's 4070)")
+    t.add_argument("--memory", default="memory_store", help="memory store directory (cache: kernels/<device>.json)")
+    t.add_argument("--fake-timer", action="store_true",
+                   help="test only: a deterministic stand-in for GPU timings, so the command runs without a "
+                        "GPU; its numbers mean nothing, and it caches under <device>-fake")
+    t.set_defaults(func=cmd_tune_kernels)
+
     from specjax.memory.cli import add_memory_parser
     add_memory_parser(sub)
     return parser
+
+
+def cmd_tune_kernels(args) -> int:
+    import jax
+
+    from specjax.costmodel.hardware import NOMINAL, current_device_name, load_calibration
+    from specjax.search.kernel_tuner import DEFAULT_CEILING, FakeTimer, KernelTuner, model_shapes, parse_shapes
+
+    if args.budget_s <= 0:
+        raise ConfigError(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.ceiling_gbps is not None and args.ceiling_gbps <= 0:
+        raise ConfigError(f"--ceiling-gbps must be > 0, got {args.ceiling_gbps}")
+    platform = jax.devices()[0].platform
+    if platform != "gpu" and not args.fake_timer:  # interpret mode runs kernels in Python: no speed to tune
+        raise ConfigError(f"tune-kernels needs a GPU (found {platform})")
+    if args.shapes:
+        shapes = parse_shapes(args.shapes)
+    else:
+        from specjax.models.loading import load_model
+        shapes = model_shapes(load_model(args.model).cfg)
+    name = current_device_name()
+    known = load_calibration(args.memory, name) or NOMINAL.get(name)
+    ceiling = args.ceiling_gbps * 1e9 if args.ceiling_gbps else known.bandwidth if known else DEFAULT_CEILING
+    if args.fake_timer:
+        time_fn, name = FakeTimer(ceiling), f"{name}-fake"
+    else:
+        from specjax.search.kernel_timer import KernelTimer
+        time_fn = KernelTimer()
+    tuner = KernelTuner(time_fn, name, args.memory, ceiling=ceiling, budget_s=args.budget_s)
+    print(f"tuning {len(shapes)} shapes on {name} for {args.budget_s:.0f} s; ceiling {ceiling / 1e9:.0f} GB/s")
+    results = tuner.run(shapes)
+    tuned = sum(r.best is not None for r in results)
+    print(f"{tuned} of {len(shapes)} shapes tuned; cache {tuner.path}")
+    return 0
 
 
 def cmd_pack(args) -> int:

@@ -30,6 +30,11 @@ class DeviceModel:
     source: str = "nominal"  # nominal | calibrated | spec
     layer_overhead: float = 0.0  # fixed seconds per layer of a forward (kernel launches scale with depth)
     host_per_token: float = 0.0  # host-side seconds per generated token (prefill, dispatch, transfers)
+    # Skinny GEMM kernels (pallas_kernels/), as fractions of `bandwidth`; 1.0 until measured, and
+    # defaulted so calibration files written before they existed still load.
+    lh12_efficiency: float = 1.0  # LH12 kernel's read rate over its own bytes / the bf16 kernel's
+    tuned_efficiency: float = 1.0  # tuned tiles' speed / default tiles' speed (tune-kernels cache)
+    kernels_source: str = "default"  # where the two figures came from, or why they were not measured
 
 
 # Nominal figures. H200: the read bandwidth and matmul rate measured there on 2026-12-02
@@ -81,7 +86,8 @@ def measure_matmul_rate(m: int, n: int, k: int, dtype) -> float:
 
 
 def calibrate(store_dir: str | Path | None = None, small: bool | None = None) -> DeviceModel:
-    """Measure the device present (a few seconds) and store the numbers per device."""
+    """Measure the device present (a few seconds) and store the numbers per device; on a GPU the
+    skinny GEMM kernels' efficiencies too (`calibrate_kernels`)."""
     name = current_device_name()
     cpu = jax.devices()[0].platform == "cpu"
     small = cpu if small is None else small
@@ -92,9 +98,62 @@ def calibrate(store_dir: str | Path | None = None, small: bool | None = None) ->
     model = DeviceModel(name=name, bandwidth=bw, flops=rate, step_overhead=overhead * 4,
                         round_overhead=overhead * 8, peak_bandwidth=bw * 1.25, peak_flops=rate * 1.5,
                         source="calibrated")
+    if not cpu:
+        try:
+            model, _ = calibrate_kernels(model, store_dir=store_dir)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to build must not lose the rest
+            model = dataclasses.replace(model, kernels_source=f"failed: {type(e).__name__}: {e}"[:300])
     if store_dir is not None:
         write_json_atomic(Path(store_dir) / "calibration" / f"{name}.json", dataclasses.asdict(model))
     return model
+
+
+KERNEL_CALIBRATION_SHAPE = (4096, 14336)  # an 8B-class w_gate_up half: large enough to stream from HBM
+
+
+def calibrate_kernels(dev: DeviceModel, shape: tuple[int, int] = KERNEL_CALIBRATION_SHAPE,
+                      store_dir: str | Path | None = None, time_fn=None, tokens=(1, 16)
+                      ) -> tuple[DeviceModel, str]:
+    """Measure the skinny GEMM kernels' efficiencies on one model-shaped weight -> (model, note).
+
+    lh12_efficiency = (LH12 bytes / t_lh12) / (bf16 bytes / t_bf16), LH12 bytes taken at the
+    registry's nominal bits, so the cost model's lh12 read time (bytes * bits/16 / (bw * eff))
+    comes out at t_lh12 / t_bf16 of the bf16 one. tuned_efficiency = t_default / t_tuned over the
+    tiles `specjax tune-kernels` stored for `shape` on `dev.name` (1.0 when it stored none).
+    Times sum T = `tokens` (decode and verify widths). `time_fn(shape, fmt, config, T)`: seconds
+    per call, the GPU timer of specjax/search/kernel_timer.py unless given (tests pass a fake).
+    Without a GPU and without `time_fn` it measures nothing: the kernels need a GPU, and their
+    interpret mode runs the kernel body in Python, so its timings say nothing about a GPU."""
+    from specjax.search.registry import LH12_NOMINAL_BITS
+
+    if time_fn is None:
+        platform = jax.devices()[0].platform
+        if platform != "gpu":
+            note = (f"kernel calibration skipped: it needs a GPU (found {platform}); the skinny GEMMs "
+                    "run nowhere else, and interpret-mode timings mean nothing. lh12_efficiency and "
+                    "tuned_efficiency stay 1.0")
+            return dataclasses.replace(dev, kernels_source=f"skipped: needs a GPU (found {platform})"), note
+        from specjax.search.kernel_timer import KernelTimer
+        time_fn = KernelTimer()
+    from specjax.search.kernel_tuner import default_tiles, tuned_config
+
+    def total(fmt, cfg):
+        return sum(time_fn(shape, fmt, cfg, t) for t in tokens)
+
+    default = default_tiles(shape)
+    t16, t12 = total("bf16", default), total("lh12", default)
+    lh12_eff = (LH12_NOMINAL_BITS / 16.0) * t16 / t12
+    tuned = {fmt: tuned_config(shape, fmt, device=dev.name, store_dir=store_dir or "memory_store")
+             for fmt in ("bf16", "lh12")}
+    tuned_eff, what = 1.0, "no tuned tiles stored"
+    if any(c != default for c in tuned.values()):
+        tuned_eff = (t16 + t12) / (total("bf16", tuned["bf16"]) + total("lh12", tuned["lh12"]))
+        what = "tuned tiles from the tune-kernels cache"
+    key = f"{shape[0]}x{shape[1]}"
+    note = (f"kernels on {key}: LH12 {lh12_eff:.2f} of the bf16 kernel's read rate per byte, "
+            f"tuned tiles x{tuned_eff:.2f} ({what})")
+    return dataclasses.replace(dev, lh12_efficiency=lh12_eff, tuned_efficiency=tuned_eff,
+                               kernels_source=f"calibrated on {key}"), note
 
 
 def load_calibration(store_dir: str | Path, name: str) -> DeviceModel | None:

@@ -2,6 +2,12 @@
 ceiling puts every component at its physical floor (bytes / peak bandwidth, flops / peak rate, no
 fixed costs) with the same acceptance. Pure JAX: `predict` is jit + vmap over candidate arrays.
 
+Weight formats: a forward's weight read is split into groups (attn, mlp, head); a group in LH12
+reads bits/16 of its bf16 bytes at `DeviceModel.lh12_efficiency` of the bandwidth, and tuned kernel
+tiles run at `tuned_efficiency`. All-bf16 with default tiles subtracts an exact zero, so it predicts
+bit for bit what the model did before formats existed. Floors take the fewer bytes, never the
+efficiencies (nothing beats bytes / peak bandwidth).
+
 Components: verify (one target forward over k + 1 tokens, weights + KV read once), draft (the
 proposer's forwards: none for n-gram, k narrow forwards of the first K layers for layer-skip), commit
 (acceptance, cache/sequence update, loop), host (prefill, dispatch and transfers outside the decode
@@ -19,7 +25,7 @@ import numpy as np
 
 from specjax.costmodel.hardware import DeviceModel
 from specjax.models.config import ModelConfig
-from specjax.search.registry import COMPONENTS
+from specjax.search.registry import COMPONENTS, LH12_NOMINAL_BITS, WEIGHT_GROUPS
 
 KMAX = 32  # longest draft the acceptance profiles cover
 
@@ -35,27 +41,70 @@ class ModelDims:
     attn_flops_per_slot: float  # per token per layer per slot
     num_layers: int
     num_slots: int
+    # Per weight group, the bytes a format can shrink (0: unknown, no format moves the forward).
+    attn_bytes: float = 0.0  # w_qkv + w_o of one layer, part of layer_bytes
+    mlp_bytes: float = 0.0  # w_gate_up + w_down of one layer, part of layer_bytes
+    head_matrix_bytes: float = 0.0  # lm_head (or the tied embedding), part of head_bytes
+    # The target's own LH12 bits per weight per group (attn, mlp, head), tensors that stay bf16
+    # counted at 16; None: the registry's per-config factor (LH12_NOMINAL_BITS / 16).
+    lh12_bits: tuple[float, float, float] | None = None
 
     @staticmethod
-    def of(cfg: ModelConfig, num_slots: int) -> "ModelDims":
+    def of(cfg: ModelConfig, num_slots: int, lh12_bits: tuple[float, float, float] | None = None
+           ) -> "ModelDims":
         item = 4 if cfg.dtype == "float32" else 2
         D, F = cfg.hidden_size, cfg.intermediate_size
-        layer_params = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F + 2 * D
+        attn_params = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D
+        mlp_params = 3 * D * F
+        layer_params = attn_params + mlp_params + 2 * D
         head_params = cfg.vocab_size * D + D
         return ModelDims(layer_bytes=layer_params * item, head_bytes=head_params * item,
                          layer_flops=2.0 * layer_params, head_flops=2.0 * head_params,
                          kv_bytes_per_slot=2.0 * cfg.kv_size * item,
                          attn_flops_per_slot=4.0 * cfg.q_size, num_layers=cfg.num_layers,
-                         num_slots=num_slots)
+                         num_slots=num_slots, attn_bytes=float(attn_params * item),
+                         mlp_bytes=float(mlp_params * item),
+                         head_matrix_bytes=float(cfg.vocab_size * D * item),
+                         lh12_bits=None if lh12_bits is None else tuple(float(b) for b in lh12_bits))
 
 
-def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool):
+@dataclasses.dataclass(frozen=True)
+class WeightPlan:
+    """One candidate's weight read, per group (attn, mlp, head): the fraction of its bf16 bytes
+    read (`fraction`, [3]) and the bandwidth efficiency of its kernel (`efficiency`, [3]).
+    Built inside the jit: a plain container of traced arrays."""
+    fraction: jax.Array
+    efficiency: jax.Array
+
+    @staticmethod
+    def of(dims: ModelDims, dev: DeviceModel, bytes_factor, lh12, tuned) -> "WeightPlan":
+        lh12 = lh12 > 0
+        if dims.lh12_bits is not None:  # the target's own figure beats the nominal one
+            bits = jnp.asarray(dims.lh12_bits, jnp.float32)
+            bytes_factor = jnp.where(lh12, bits / 16.0, bytes_factor)
+            lh12 = lh12 & (bits < 16.0)  # a group whose tensors all stay bf16 runs the bf16 kernel
+        eff = jnp.where(lh12, dev.lh12_efficiency, 1.0) * jnp.where(tuned > 0, dev.tuned_efficiency, 1.0)
+        return WeightPlan(fraction=bytes_factor, efficiency=eff)
+
+
+def _saved_bytes(dims: ModelDims, wp: WeightPlan, layers, peak: bool):
+    """bf16 bytes a forward does not pay for: a group reading a fraction f of its bytes at
+    efficiency e costs the time of f / e of them (floors: e = 1). With f = e = 1 every term is an
+    exact zero."""
+    eff = 1.0 if peak else wp.efficiency
+    saved = 1.0 - wp.fraction / eff
+    return layers * (dims.attn_bytes * saved[0] + dims.mlp_bytes * saved[1]) + dims.head_matrix_bytes * saved[2]
+
+
+def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool, wp: WeightPlan):
     bytes_ = layers * (dims.layer_bytes + dims.num_slots * dims.kv_bytes_per_slot) + dims.head_bytes
     flops = tokens * (layers * (dims.layer_flops + dims.num_slots * dims.attn_flops_per_slot) + dims.head_flops)
     bw = dev.peak_bandwidth if peak else dev.bandwidth
     rate = dev.peak_flops if peak else dev.flops
     fixed = 0.0 if peak else dev.step_overhead + layers * dev.layer_overhead
-    return fixed + jnp.maximum(bytes_ / bw, flops / rate)
+    # the all-bf16 read time first, exactly as before formats, then the formats' saving off it
+    read = bytes_ / bw - _saved_bytes(dims, wp, layers, peak) / bw
+    return fixed + jnp.maximum(read, flops / rate)
 
 
 def expected_tokens(alpha, k):
@@ -65,17 +114,20 @@ def expected_tokens(alpha, k):
     return 1.0 + jnp.sum(survive)
 
 
-def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha):
-    """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip)."""
+def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned):
+    """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip;
+    bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag)."""
+    wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
     speculative = kind > 0
     k = jnp.where(speculative, k, 0)
-    verify = _forward_time(dims, dev, dims.num_layers, k + 1, peak=False)
-    verify_floor = _forward_time(dims, dev, dims.num_layers, k + 1, peak=True)
+    verify = _forward_time(dims, dev, dims.num_layers, k + 1, False, wp)
+    verify_floor = _forward_time(dims, dev, dims.num_layers, k + 1, True, wp)
     # layer-skip: one width-2 catch-up forward, then k - 1 width-1 forwards of the first K layers
-    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, False) +
-                   (k - 1) * _forward_time(dims, dev, layers, 1, False), 0.0)
-    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, True) +
-                         (k - 1) * _forward_time(dims, dev, layers, 1, True), 0.0)
+    # (the target's own layers and head, so the same weight formats)
+    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, False, wp) +
+                   (k - 1) * _forward_time(dims, dev, layers, 1, False, wp), 0.0)
+    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, True, wp) +
+                         (k - 1) * _forward_time(dims, dev, layers, 1, True, wp), 0.0)
     draft = jnp.where(kind == 2, ls, jnp.where(kind == 1, dev.step_overhead * 0.25, 0.0))
     draft_floor = jnp.where(kind == 2, ls_floor, 0.0)
     commit = jnp.where(speculative, dev.round_overhead, dev.round_overhead * 0.5)
@@ -91,13 +143,23 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha):
 _COMPILED: dict = {}
 
 
-def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha) -> dict:
-    """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX] -> dict of [C] / [C, 3] arrays.
-    One jit(vmap) per (model, device); thousands of candidates cost one call."""
+def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
+            tuned=None) -> dict:
+    """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
+    bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles)
+    -> dict of [C] / [C, 4] arrays. One jit(vmap) per (model, device); thousands of candidates
+    cost one call."""
+    c = len(np.atleast_1d(k))
+    groups = len(WEIGHT_GROUPS)
+    bytes_factor = np.ones((c, groups)) if bytes_factor is None else bytes_factor
+    lh12 = np.zeros((c, groups)) if lh12 is None else lh12
+    tuned = np.zeros(c) if tuned is None else tuned
     if (dims, dev) not in _COMPILED:
         _COMPILED[dims, dev] = jax.jit(jax.vmap(lambda *a: _one(dims, dev, *a)))
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),
-                               jnp.asarray(layers, jnp.float32), jnp.asarray(alpha, jnp.float32))
+                               jnp.asarray(layers, jnp.float32), jnp.asarray(alpha, jnp.float32),
+                               jnp.asarray(bytes_factor, jnp.float32), jnp.asarray(lh12, jnp.float32),
+                               jnp.asarray(tuned, jnp.float32))
     return jax.tree.map(np.asarray, out)
 
 
@@ -113,4 +175,4 @@ def conditional_acceptance(acceptance_rates: list[float]) -> np.ndarray:
     return out
 
 
-__all__ = ["ModelDims", "predict", "expected_tokens", "conditional_acceptance", "KMAX", "COMPONENTS"]
+__all__ = ["ModelDims", "WeightPlan", "LH12_NOMINAL_BITS", "predict", "expected_tokens", "conditional_acceptance", "KMAX", "COMPONENTS"]

@@ -6,7 +6,9 @@
 - Floor gate: a run faster than the physical floor (every step at least one weight read at peak
   bandwidth, at most k + 1 tokens per step) is a measurement bug, never a win.
 - Forcing gate: the candidate runs under token forcing against the AR reference on the same prompts; a
-  single non-near-tie difference rejects it, recorded with position and tokens.
+  single non-near-tie difference rejects it, recorded with position and tokens. A candidate without a
+  drafter but with other engine changes (weight formats, kernel tiles) is compared token by token
+  with the reference instead: its first divergence must be a near tie.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from specjax.drafters.factory import make_drafter
 from specjax.engine import Decoder
 from specjax.forcing import check_token_forcing
 from specjax.models.loading import LoadedModel
-from specjax.search.registry import DRAFTER_KINDS, REGISTRY, drafter_variant
+from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant
+
+STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default"}
 
 
 @dataclasses.dataclass
@@ -69,6 +73,25 @@ def candidate_arrays(configs: list[dict], profiles: dict[str, np.ndarray]):
     return np.array(k), np.array(kind), np.array(layers), np.stack(alpha)
 
 
+def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Configs -> every per-candidate array of `predict` (keyword arguments): the drafter's
+    (k, kind, layers, alpha), per weight group the bytes factor and LH12 flag [C, 3], and the
+    tuned-tiles flag [C]."""
+    k, kind, layers, alpha = candidate_arrays(configs, profiles)
+    feats = [REGISTRY.features(c) for c in configs]
+    return dict(k=k, kind=kind, layers=layers, alpha=alpha,
+                bytes_factor=np.array([[f[f"weights_{g}_bytes"] for g in WEIGHT_GROUPS] for f in feats]),
+                lh12=np.array([[f[f"weights_{g}_lh12"] for g in WEIGHT_GROUPS] for f in feats]),
+                tuned=np.array([f["kernels_tuned"] for f in feats]))
+
+
+def engine_changes(config: dict) -> dict:
+    """The engine keyword arguments a config sets away from the stock engine (weight formats,
+    kernel tiles): only these are passed on, so engines that predate them build as before."""
+    kw = REGISTRY.apply(config)
+    return {name: kw[name] for name, stock in STOCK_ENGINE.items() if kw.get(name, stock) != stock}
+
+
 class Plan:
     """What the loop needs to know about a deployment without running anything: the cost model's
     dimensions and every candidate's physical floor. Shared by in-process and remote evaluators."""
@@ -81,17 +104,20 @@ class Plan:
         self.device, self.device_name = device, device_name  # cost-model numbers, and what runs here
         self.bucket = prompt_bucket(max(len(p) for p in prompts))  # one compiled shape for every batch
         self.measurements = 0
+        # the target's LH12 bits per weight per group (attn, mlp, head), when measured
+        # (specjax/costmodel/weight_bits.py); None: the registry's nominal figure
+        self.lh12_bits: tuple[float, float, float] | None = None
 
     def dims(self, k: int) -> ModelDims:
-        return ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k))
+        return ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k),
+                            lh12_bits=self.lh12_bits)
 
     def floor_seconds(self, config: dict, tokens: int) -> float:
-        """No real run of `tokens` tokens can be faster than this."""
-        f = REGISTRY.features(config)
-        k = int(f["k"])
-        kind = int(f["draft_kind"])
-        best_alpha = np.ones((1, 32))  # every draft accepted: the fewest steps possible
-        p = predict(self.dims(k), self.device, [k], [kind], [f["draft_layers"]], best_alpha)
+        """No real run of `tokens` tokens can be faster than this (12-bit weights lower it)."""
+        inputs = cost_inputs([config], {})
+        k, kind = int(inputs["k"][0]), int(inputs["kind"][0])
+        inputs["alpha"] = np.ones((1, 32))  # every draft accepted: the fewest steps possible
+        p = predict(self.dims(k), self.device, **inputs)
         steps = np.ceil(tokens / (k + 1 if kind else 1))
         return float(steps * p["floor_time"][0])
 
@@ -127,7 +153,8 @@ class Evaluator(Plan):
     def _build(self, config: dict) -> Decoder:
         kw = REGISTRY.apply(config)
         drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], self.target, kw["k"])
-        return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket)
+        return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket,
+                       **engine_changes(config))
 
     def decoder(self, config: dict) -> Decoder:
         key = repr(sorted(config.items()))
@@ -212,9 +239,12 @@ class Evaluator(Plan):
         return m
 
     def gate(self, m: Measurement) -> Measurement:
-        """Token forcing against the AR reference (plain AR itself needs no gate)."""
-        if m.rejected or REGISTRY.apply(m.config)["drafter"] is None:
+        """Token forcing against the AR reference (plain AR itself needs no gate; AR on another
+        engine, e.g. 12-bit weights, is compared with the reference token by token)."""
+        if m.rejected:
             return m
+        if REGISTRY.apply(m.config)["drafter"] is None:
+            return self._gate_plain(m) if engine_changes(m.config) else m
         dec = self.decoder(m.config)
         reports = [check_token_forcing(dec, b, ref, self.forcing_tolerance)
                    for b, ref in zip(self.batches, self.references)]
@@ -229,6 +259,30 @@ class Evaluator(Plan):
                           f"{m.forcing['checked']}/{m.forcing['expected']} positions checked{first}")
         return m
 
+    def _gate_plain(self, m: Measurement) -> Measurement:
+        """No drafter to force: generate, and accept only if each sequence equals the reference up
+        to its first difference and that difference is a near tie (after it, the two continue from
+        different prefixes and say nothing more)."""
+        dec = self.decoder(m.config)
+        checked, first = 0, None
+        for batch, ref in zip(self.batches, self.references):
+            out = dec.generate(batch)
+            for b, (got, want) in enumerate(zip(out.tokens, ref.tokens)):
+                diff = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
+                            None if len(got) == len(want) else min(len(got), len(want)))
+                checked += len(want) if diff is None else diff + 1
+                if diff is not None and diff < len(want) and ref.margins[b][diff] >= self.forcing_tolerance:
+                    first = first or (b, diff, got[diff] if diff < len(got) else None, want[diff],
+                                      float(ref.margins[b][diff]))
+        m.forcing = {"checked": checked, "expected": sum(len(t) for r in self.references for t in r.tokens),
+                     "failures": int(first is not None), "near_ties": 0, "tolerance": self.forcing_tolerance,
+                     "first_failures": [] if first is None else [dict(zip(
+                         ("batch", "position", "engine_token", "reference_token", "margin"), first))]}
+        if first is not None:
+            m.rejected = (f"tokens differ from AR at a decided position: batch {first[0]} position "
+                          f"{first[1]}: {first[2]} vs {first[3]} (margin {first[4]:.3g})")
+        return m
+
     def acceptance_profile(self, config: dict, pilot_k: int = 8) -> np.ndarray:
         """Conditional per-position acceptance of a drafter variant, from one run at k = pilot_k."""
         cfg = dict(config, **{"drafter.k": pilot_k})
@@ -239,4 +293,5 @@ class Evaluator(Plan):
         return conditional_acceptance(result["rates"])
 
 
-__all__ = ["Plan", "Evaluator", "Measurement", "candidate_arrays", "DRAFTER_KINDS"]
+__all__ = ["Plan", "Evaluator", "Measurement", "candidate_arrays", "cost_inputs", "engine_changes",
+           "DRAFTER_KINDS"]

@@ -8,7 +8,8 @@
 
 State is saved atomically after every measurement, so a killed search resumes with `--resume` and
 re-measures nothing it already has; memory records are written only after the gates passed.
-The kernel sub-agent's place: `kernel_agent` (None until the kernels issue adds tunable kernels).
+The kernel sub-agent's place: `kernel_agent` (unused so far: `specjax tune-kernels` tunes the tiles
+before a search, and the search chooses between default and tuned ones).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from specjax.atomic import read_json_checked, write_json_atomic
 from specjax.costmodel.model import predict
-from specjax.search.evaluate import Evaluator, Measurement, candidate_arrays
+from specjax.search.evaluate import Evaluator, Measurement, cost_inputs
 from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant
 from specjax.search.spec import SearchSpec
 
@@ -92,9 +93,23 @@ class Search:
 
     def predict(self, configs: list[dict]) -> dict:
         profiles = {k: np.asarray(v) for k, v in self.state.profiles.items()}
-        k, kind, layers, alpha = candidate_arrays(configs, profiles)
-        dims = self.ev.dims(int(max(k.max(), 1)))
-        return predict(dims, self.ev.device, k, kind, layers, alpha)
+        inputs = cost_inputs(configs, profiles)
+        dims = self.ev.dims(int(max(inputs["k"].max(), 1)))
+        return predict(dims, self.ev.device, **inputs)
+
+    def _with_defaults(self, config: dict) -> dict:
+        """Active parameters a config leaves out at their registry defaults (weight formats, kernel
+        tiles): what an engine that never heard of them runs. So plain AR and memory seeds from
+        spaces without them are valid configs of this space."""
+        config = dict(config)
+        defaults = REGISTRY.stock()
+        for name, p in self.spec.space.items():  # parents come first
+            if name not in config and name in defaults and p.active(config):
+                config[name] = defaults[name]
+        return config
+
+    def _ar_config(self) -> dict:
+        return self._with_defaults(AR_CONFIG)
 
     def _variants(self) -> list[dict]:
         """One config per drafter variant in the space (acceptance depends on the variant, not on k)."""
@@ -181,7 +196,7 @@ class Search:
         budget = self.spec.budget
         if self.state.ar is None:
             self.progress("measuring plain AR (the baseline every speedup is over)")
-            m, _ = self.ev.measure(AR_CONFIG, budget.runs)
+            m, _ = self.ev.measure(self._ar_config(), budget.runs)
             if not m.valid:
                 raise RuntimeError(f"the AR baseline failed its floor gate: {m.rejected}")
             self.state.ar = dataclasses.asdict(m)
@@ -208,7 +223,7 @@ class Search:
             self.state.stock = dataclasses.asdict(m)
             # Not speculating is a valid answer too: plain AR competes when the space allows it.
             ar = _m(self.state.ar)
-            ar_allowed = self.spec.is_valid(self.spec.canonical(AR_CONFIG))
+            ar_allowed = self.spec.is_valid(self.spec.canonical(self._ar_config()))
             base = m if m.valid and (not ar_allowed or m.tokens_per_s >= ar.tokens_per_s) else ar
             self.state.incumbent = dataclasses.asdict(base)
             self._remember(m)
@@ -248,7 +263,7 @@ class Search:
             proposals = [c for batch in pool.map(agent, range(self.agents)) for c in batch]
         candidates, seen = [], {config_key(incumbent.config)}
         for c in proposals:
-            c = self.spec.canonical(c)
+            c = self.spec.canonical(self._with_defaults(c))
             if self.spec.is_valid(c) and config_key(c) not in seen and self._profiled(c):
                 seen.add(config_key(c))
                 candidates.append(c)

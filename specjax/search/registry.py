@@ -127,3 +127,56 @@ REGISTRY.register(Mechanism(
                      "k": int(c.get("drafter.k", 0)) if c.get("drafter.kind", "none") != "none" else 0},
     doc="which proposer drafts, and how many tokens per step",
 ))
+
+# ----------------------------------------------------------------------------- weights
+
+WEIGHT_GROUPS = ("attn", "mlp", "head")  # attn: w_qkv, w_o; mlp: w_gate_up, w_down; head: lm_head
+WEIGHT_FORMATS = ("bf16", "lh12")
+# Bits per weight of LH12 when the target's own tensors are not at hand: the median over SmolLM2's
+# matrices (12.12; specjax/weights/lh12.py takes 12.03-12.3 by shape and escapes). The search
+# replaces it with the target's per-group figure (Plan.lh12_bits) when it measured one.
+LH12_NOMINAL_BITS = 12.12
+
+
+def _weights_format(config: dict) -> dict[str, str]:
+    return {g: config.get(f"weights.{g}", "bf16") for g in WEIGHT_GROUPS}
+
+
+def _weights_features(config: dict) -> dict[str, float]:
+    out = {}
+    for g, fmt in _weights_format(config).items():
+        lh12 = fmt == "lh12"
+        out[f"weights_{g}_lh12"] = float(lh12)  # selects DeviceModel.lh12_efficiency for the group
+        out[f"weights_{g}_bytes"] = LH12_NOMINAL_BITS / 16.0 if lh12 else 1.0  # of the bf16 bytes
+    return out
+
+
+REGISTRY.register(Mechanism(
+    name="weights",
+    params=tuple(
+        ParamDef(f"weights.{g}", "categorical", WEIGHT_FORMATS, default="bf16",
+                 doc=f"storage of the {g} matrices: bf16, or LH12 lossless 12-bit (same outputs, "
+                     "about 3/4 of the bytes)",
+                 components=("verify", "draft"))  # layer-skip drafts stream the same weights
+        for g in WEIGHT_GROUPS),
+    component="verify",
+    features=_weights_features,
+    apply=lambda c: {"weights_format": _weights_format(c)},
+    doc="per tensor group, bf16 or lossless 12-bit weights read by the GPU skinny GEMMs",
+))
+
+# ----------------------------------------------------------------------------- kernel tiles
+
+KERNEL_TILES = ("default", "tuned")
+
+REGISTRY.register(Mechanism(
+    name="kernels",
+    params=(ParamDef("kernels.tiles", "categorical", KERNEL_TILES, default="default",
+                     doc="skinny GEMM tiles: GemmConfig() or the per-device tuned ones "
+                         "(specjax tune-kernels, memory_store/kernels/)",
+                     components=("verify", "draft")),),
+    component="verify",
+    features=lambda c: {"kernels_tuned": float(c.get("kernels.tiles", "default") == "tuned")},
+    apply=lambda c: {"kernel_tiles": c.get("kernels.tiles", "default")},
+    doc="which tile configs the GPU skinny GEMMs run with",
+))

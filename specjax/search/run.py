@@ -40,6 +40,30 @@ def load_deployment(spec):
     return target, [target.tokenizer.encode(t) for t in spec_prompts(spec)]
 
 
+def check_engine_supports(spec):
+    """Refuse, before loading anything, a space that moves engine knobs this build's Decoder does
+    not take yet (weights_format, kernel_tiles): better one line now than a crash mid-search."""
+    import inspect
+
+    from specjax.engine import Decoder
+    from specjax.search.evaluate import STOCK_ENGINE
+    from specjax.search.registry import REGISTRY
+
+    takes = inspect.signature(Decoder.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):
+        return
+    for mechanism in ("weights", "kernels"):  # the mechanisms that set engine knobs
+        m = REGISTRY.mechanisms[mechanism]
+        for name in (p.name for p in m.params if p.name in spec.space):
+            param = spec.space[name]
+            for value in param.values:
+                kw = m.apply({name: value})
+                for knob, stock in STOCK_ENGINE.items():
+                    if kw.get(knob, stock) != stock and knob not in takes:
+                        raise ConfigError(f"{spec.path}:{param.line}: space.{name}: {value!r} needs an "
+                                          f"engine that takes {knob}=, and this build's Decoder does not (yet)")
+
+
 def run_search(spec_path: str, output: str | None = None, resume: bool = False, agents: int | None = None,
                proposer: str | None = None, memory_dir: str = "memory_store", progress=print,
                evaluator_factory=None, evaluator: str | None = None):
@@ -63,7 +87,14 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
         progress(f"note: {spec_path} names hardware {cost_device.name!r} but this machine is {device_name!r}: "
                  f"candidates are ranked with {cost_device.name}'s numbers and measured on {device_name}; "
                  "every figure is labeled with the device it came from")
+    check_engine_supports(spec)
     target, prompts = load_deployment(spec)
+    lh12_bits = None
+    if any(name.startswith("weights.") for name in spec.space):  # the cost model's bytes per group
+        from specjax.costmodel.weight_bits import lh12_group_bits
+        lh12_bits = lh12_group_bits(target.params)
+        progress("LH12 bits per weight of the target: " +
+                 ", ".join(f"{g} {b:.2f}" for g, b in zip(("attn", "mlp", "head"), lh12_bits)))
     if same:  # ranking numbers for this very device: fit the fixed cost and skinny-matmul rate to the target
         from specjax.costmodel.hardware import fit_to_target
         cost_device = fit_to_target(cost_device, target.cfg, target.params)
@@ -84,6 +115,7 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
             factory = resolve_factory(factory)
         evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
                             spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
+    evaluator.lh12_bits = lh12_bits
     search = Search(spec, evaluator, make_proposer(spec, proposer), out, memory=MemoryStore(memory_dir),
                     agents=agents, progress=progress, refit_from_ar=same)
     try:

@@ -224,6 +224,7 @@ def load_spec(path: str, registry: Registry = REGISTRY) -> SearchSpec:
     name = ctx.typed(raw, "name", str, "", Path(path).stem)
     deployment = _deployment(ctx, raw)
     space = _space(ctx, raw, registry)
+    _check_weight_formats(ctx, deployment, space)
     constraints = _constraints(ctx, raw, space)
     stock = _stock(ctx, raw, space, registry)
     budget = _budget(ctx, raw)
@@ -359,6 +360,17 @@ def _space(ctx: _Ctx, raw: LineDict, registry: Registry) -> dict[str, Param]:
                             low=None if rng is None else rng[0], high=None if rng is None else rng[1],
                             step=step, log=log, when=tuple(when), line=line)
     return space
+
+
+def _check_weight_formats(ctx: _Ctx, deployment: Deployment, space: dict[str, Param]):
+    """LH12 stores bf16 patterns exactly; over a float32 target it would round the weights, and its
+    tokens would differ from the target's."""
+    if deployment.dtype == "bfloat16":
+        return
+    for name, p in space.items():
+        if name.startswith("weights.") and "lh12" in p.values:
+            ctx.err(p.line, f"space.{name}", f"lh12 is lossless over bf16 weights only; it needs "
+                    f"deployment.dtype: bfloat16 (this spec has {deployment.dtype})")
 
 
 def _constraints(ctx: _Ctx, raw: LineDict, space) -> list[Expression]:
