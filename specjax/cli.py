@@ -55,8 +55,14 @@ def cmd_generate(args) -> int:
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target, args.k)
     stops = tuple(tok.eos_ids) if not args.ignore_eos else ()
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
-    decoder = Decoder(target.cfg, target.params, gen, drafter)
-    reference = Decoder(target.cfg, target.params, gen) if args.compare_ar and drafter else None
+    engine = dict(kernels=args.kernels, kernel_tiles=args.kernel_tiles,
+                  weights_format={g: args.weights for g in ("attn", "mlp", "head")})
+    decoder = Decoder(target.cfg, target.params, gen, drafter, **engine)
+    reference = Decoder(target.cfg, target.params, gen, **engine) if args.compare_ar and drafter else None
+    if decoder.kernels != "xla":
+        kept = [r for r in decoder.kernel_report if r.format != args.weights]
+        print(f"[kernels] {decoder.kernels}: {args.weights} weights"
+              + (f" ({len(kept)} kept bf16, e.g. {kept[0].name}: {kept[0].reason})" if kept else ""))
 
     for i, text in enumerate(texts):
         ids = tok.encode(chatml(tok, text) if args.chat else text)
@@ -92,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn token")
+    g.add_argument("--kernels", choices=["auto", "xla", "pallas", "interpret"], default="auto",
+                   help="matmuls: Pallas skinny GEMMs (auto: on a GPU for bf16) or XLA")
+    g.add_argument("--weights", choices=["bf16", "lh12"], default="bf16",
+                   help="weight format the kernels read: bf16 or lossless 12-bit (needs --dtype bfloat16)")
+    g.add_argument("--kernel-tiles", choices=["default", "tuned"], default="default",
+                   help="kernel tile configs: from the shape, or from `specjax tune-kernels`")
     g.add_argument("--compare-ar", action="store_true",
                    help="also run plain AR on each prompt: speedup and token equality")
     g.set_defaults(func=cmd_generate)

@@ -60,11 +60,34 @@ class GenerationResult:
         return [float(at_least[i] / max(hist.sum(), 1)) for i in range(1, len(hist))]
 
 
+def resolve_kernels(kernels: str, cfg: ModelConfig) -> str:
+    """"auto" -> "pallas" for a bf16 target on a GPU, else "xla"; other values are checked."""
+    if kernels not in ("auto", "xla", "pallas", "interpret"):
+        raise ConfigError(f"kernels must be auto, xla, pallas or interpret, got {kernels!r}")
+    if kernels == "auto":
+        return "pallas" if jax.devices()[0].platform == "gpu" and cfg.dtype == "bfloat16" else "xla"
+    if kernels == "pallas" and jax.devices()[0].platform != "gpu":
+        raise ConfigError(f"kernels=pallas needs a GPU (found {jax.devices()[0].platform}); "
+                          "use interpret to run the kernels on a CPU, slowly")
+    return kernels
+
+
 class Decoder:
     """Greedy or sampled generation with an optional drafter (None: plain AR)."""
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None,
-                 min_prompt_bucket: int = 0):
+                 min_prompt_bucket: int = 0, weights_format: dict[str, str] | None = None,
+                 kernel_tiles: str = "default", kernels: str = "auto"):
+        """kernels: "auto" (the Pallas skinny GEMMs on a GPU for a bf16 target, XLA otherwise),
+        "xla", "pallas", or "interpret" (the kernels in Pallas interpret mode: CPU tests).
+        weights_format: per group (attn, mlp, head) "bf16" or "lh12", read by the kernels; on XLA
+        the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned"."""
+        self.kernels = resolve_kernels(kernels, cfg)
+        self.kernel_report = []
+        if self.kernels != "xla":
+            from specjax.models.kernel_params import prepare_kernel_params
+            params, self.kernel_report = prepare_kernel_params(
+                params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret")
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.k = 0 if drafter is None else drafter.k
         # Pad every prompt batch to at least this length: one compiled shape for a whole prompt set

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_rows
+from specjax.models.linear import is_kernel_weight, linear
 from specjax.models.params import LayerParams, ModelParams
 from specjax.models.rope import apply_rope, rope_cos_sin
 
@@ -46,7 +47,7 @@ def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
 def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask):
     B, T, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    qkv = h @ p.w_qkv
+    qkv = linear(h, p.w_qkv)
     if p.b_qkv is not None:
         qkv = qkv + p.b_qkv
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -60,13 +61,13 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
     k = apply_rope(k, cos, sin)
     k_cache = write_rows(k_cache, k, start)
     v_cache = write_rows(v_cache, v, start)
-    attn = _attention(cfg, q, k_cache, v_cache, mask) @ p.w_o
+    attn = linear(_attention(cfg, q, k_cache, v_cache, mask), p.w_o)
     if p.b_o is not None:
         attn = attn + p.b_o
     x = x + attn
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    gate, up = jnp.split(h @ p.w_gate_up, 2, axis=-1)
-    x = x + (jax.nn.silu(gate) * up) @ p.w_down
+    gate, up = jnp.split(linear(h, p.w_gate_up), 2, axis=-1)
+    x = x + linear(jax.nn.silu(gate) * up, p.w_down)
     return x, k_cache, v_cache
 
 
@@ -94,5 +95,7 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
 
 def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]."""
+    if params.lm_head is not None and is_kernel_weight(params.lm_head):
+        return linear(hidden.astype(jnp.bfloat16), params.lm_head).astype(jnp.float32)
     head = params.embed.T if params.lm_head is None else params.lm_head
     return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)

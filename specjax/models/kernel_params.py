@@ -1,0 +1,95 @@
+"""Lay a bf16 model's matrices out for the Pallas skinny GEMMs, per tensor group and format.
+
+Groups: attn (w_qkv, w_o), mlp (w_gate_up, w_down), head (lm_head, or the tied embedding's
+transpose: the head must stream [D, V] rows, and the gather of `embed` keeps the [V, D] copy).
+Format per group: "bf16" or "lh12"; an LH12 tensor whose escape segments exceed the format's
+limit stays bf16 (as `choose_format` decides for a file), and the report says so.
+
+Both formats of one shape use one config's numerics (block_k, split_k), from the shape alone or
+from the per-device tuning cache, so a 12-bit model's tokens equal the bf16 model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.skinny_gemm import GemmConfig, default_config, prepare_bf16
+from pallas_kernels.skinny_gemm_lh12 import prepare_lh12
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+from specjax.models.params import ModelParams
+from specjax.weights.lh12 import LAYOUT, encode_jax
+
+GROUPS = ("attn", "mlp", "head")
+FORMATS = ("bf16", "lh12")
+GROUP_OF = {"w_qkv": "attn", "w_o": "attn", "w_gate_up": "mlp", "w_down": "mlp"}
+
+
+@dataclasses.dataclass
+class TensorReport:
+    name: str
+    shape: tuple[int, int]
+    format: str  # what the kernel reads
+    bits_per_weight: float
+    config: GemmConfig
+    reason: str = ""
+
+
+def config_for(shape: tuple[int, int], tiles: str) -> GemmConfig:
+    if tiles == "default":
+        return default_config(shape)
+    if tiles == "tuned":
+        from specjax.search.kernel_tuner import tuned_config
+        return tuned_config(shape, "lh12")
+    raise ConfigError(f"kernel tiles must be 'default' or 'tuned', got {tiles!r}")
+
+
+def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool):
+    shape = tuple(int(d) for d in w.shape)
+    cfg = config_for(shape, tiles)
+    w = jnp.asarray(w, jnp.bfloat16)
+    if fmt == "lh12":
+        packed = encode_jax(jax.lax.bitcast_convert_type(w, jnp.uint16))
+        segs = shape[0] * -(-shape[1] // LAYOUT.segment)
+        frac = packed.n_escape / max(segs, 1)
+        if frac <= LAYOUT.max_escape_fraction:
+            return prepare_lh12(packed, cfg, interpret), TensorReport(
+                name, shape, "lh12", packed.bits_per_weight, cfg, f"{frac:.2%} escape segments")
+        reason = f"{frac:.1%} escape segments (limit {LAYOUT.max_escape_fraction:.0%}): kept bf16"
+    else:
+        reason = ""
+    return prepare_bf16(w, cfg, interpret), TensorReport(name, shape, "bf16", 16.0, cfg, reason)
+
+
+def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[str, str] | None = None,
+                          tiles: str = "default", interpret: bool = False
+                          ) -> tuple[ModelParams, list[TensorReport]]:
+    """params with every matrix as a kernel weight, and what each became. `interpret` runs the
+    kernels in Pallas interpret mode (CPU tests); otherwise they need a GPU."""
+    if cfg.dtype != "bfloat16":
+        raise ConfigError(f"the Pallas kernels read bf16 weights; this model is {cfg.dtype} "
+                          "(load it with dtype bfloat16)")
+    formats = {g: "bf16" for g in GROUPS} | dict(formats or {})
+    for group, fmt in formats.items():
+        if group not in GROUPS or fmt not in FORMATS:
+            raise ConfigError(f"weight format {group}={fmt!r}: groups are {GROUPS}, formats {FORMATS}")
+    report, layers = [], []
+    for i, layer in enumerate(params.layers):
+        new = {}
+        for field, group in GROUP_OF.items():
+            new[field], r = _prepare(f"layers.{i}.{field}", getattr(layer, field), formats[group],
+                                     tiles, interpret)
+            report.append(r)
+        layers.append(dataclasses.replace(layer, **new))
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret)
+    report.append(r)
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head), report
+
+
+def kernels_available() -> bool:
+    """The skinny GEMMs compile for NVIDIA GPUs (Pallas' Triton backend)."""
+    return jax.devices()[0].platform == "gpu"
