@@ -162,7 +162,7 @@ def gemv(sweep: bool, budget_s: float) -> dict:
         cands = gemv_configs(shape) if sweep else [gemv_configs(shape)[0]]
         tried = {}
         for cfg in cands:
-            if time.time() - T0 > budget_s:
+            if tried and time.time() - T0 > budget_s:
                 break
             try:
                 t12 = bw(skinny_gemm_lh12, [prepare_lh12(p, cfg, INTERPRET) for p in packed], 16)
@@ -176,7 +176,7 @@ def gemv(sweep: bool, budget_s: float) -> dict:
         best12 = max(tried, key=tried.get)
         same = [c for c in cands if c.numerics == best12.numerics]
         tried16 = {}
-        for cfg in same[:6] if sweep else [best12]:
+        for cfg in (same[:6] if sweep and time.time() - T0 < budget_s else [best12]):
             try:
                 tried16[cfg] = bw(skinny_gemm, [prepare_bf16(w, cfg, INTERPRET) for w in w16], 16)
             except Exception as e:  # noqa: BLE001
@@ -198,6 +198,91 @@ def gemv(sweep: bool, budget_s: float) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------- decode step
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                 num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                 max_position_embeddings=8192, dtype="bfloat16")
+STEP_TOKENS = [1, 16, 64]
+CONTEXT = 1024
+
+
+def step_bytes(cfg, params) -> dict:
+    """Bytes one step must read: weights (per format) + the KV cache of the context."""
+    from specjax.models.linear import is_kernel_weight
+    kv = 2 * cfg.num_layers * CONTEXT * cfg.kv_size * 2
+    w = 0
+    for leaf in jax.tree.leaves(params, is_leaf=is_kernel_weight):
+        if is_kernel_weight(leaf):
+            w += leaf.nbytes if hasattr(leaf, "tile_escapes") else leaf.w.size * 2
+        else:
+            w += leaf.size * leaf.dtype.itemsize
+    w -= params.embed.size * 2  # the embedding is gathered (T rows), not streamed
+    return {"weights": w, "kv": kv, "total": w + kv}
+
+
+def time_steps(params, cfg, t: int, reps: int = 10) -> float:
+    """Seconds per verify/decode step of T tokens at a 1k context, R dependent steps in one jit."""
+    from specjax.models.kv_cache import init_cache
+    from specjax.models.transformer import forward, lm_logits
+    cache = init_cache(cfg, 1, CONTEXT + 64)
+    start = jnp.array([CONTEXT], jnp.int32)
+    pos = CONTEXT + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+    @jax.jit
+    def run(params, cache, tokens):
+        def body(_, carry):
+            cache, tokens = carry
+            hidden, cache = forward(params, cfg, tokens, pos, cache, start)
+            return cache, jnp.argmax(lm_logits(params, hidden), axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, reps, body, (cache, tokens))[1]
+
+    tokens = jnp.zeros((1, t), jnp.int32) + 7
+    return timed(run, params, cache, tokens, repeats=3) / reps
+
+
+def decode_step() -> dict:
+    from specjax.models.config import ModelConfig
+    from specjax.models.kernel_params import prepare_kernel_params
+    from specjax.models.params import init_random_params
+    cfg = ModelConfig(**LLAMA3_8B)
+    params = init_random_params(cfg, jax.random.PRNGKey(0))
+    read = RESULTS.get("read_bandwidth", {}).get("read_TBps", 4.07) * 1e12
+    variants = {"xla": params}
+    variants["ours_bf16"], _ = prepare_kernel_params(params, cfg, interpret=INTERPRET)
+    lh12, report = prepare_kernel_params(params, cfg, {"attn": "lh12", "mlp": "lh12", "head": "lh12"},
+                                         interpret=INTERPRET)
+    variants["ours_lh12"] = lh12
+    out = {"config": LLAMA3_8B, "context": CONTEXT, "read_TBps": read / 1e12,
+           "lh12_kept_bf16": [r.name for r in report if r.format != "lh12"]}
+    for name, p in variants.items():
+        b = step_bytes(cfg, p)
+        row = {"bytes": b, "floor_ms": b["total"] / read * 1e3}
+        for t in STEP_TOKENS:
+            try:
+                row[f"T{t}_ms"] = time_steps(p, cfg, t) * 1e3
+            except Exception as e:  # noqa: BLE001
+                row[f"T{t}_error"] = repr(e)[:400]
+        out[name] = row
+        log("step", name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+        RESULTS["step"] = out
+        save(Path(os.environ.get("OUT", ".")))
+    # greedy tokens of a short AR run: the 12-bit target must give exactly the bf16 target's
+    x = jnp.arange(16, dtype=jnp.int32)[None, :] + 100
+    ids = {}
+    for name in ("ours_bf16", "ours_lh12"):
+        from specjax.models.kv_cache import init_cache
+        from specjax.models.transformer import forward, lm_logits
+        cache = init_cache(cfg, 1, 64)
+        hidden, _ = forward(variants[name], cfg, x, jnp.arange(16)[None, :], cache, jnp.array([0]))
+        ids[name] = np.asarray(jnp.argmax(lm_logits(variants[name], hidden), -1)).tolist()
+        logits = np.asarray(lm_logits(variants[name], hidden))
+        ids[name + "_logits_sum"] = float(np.sum(logits))
+    out["lh12_logits_equal_bf16"] = ids["ours_bf16_logits_sum"] == ids["ours_lh12_logits_sum"] and \
+        ids["ours_bf16"] == ids["ours_lh12"]
+    return out
+
+
 def fmt(d):
     return " ".join(f"{v:.2f}" for v in d.values())
 
@@ -212,6 +297,8 @@ def main():
     if args.smoke:
         global INTERPRET, SHAPES, TOKENS, L2_BYTES
         INTERPRET, SHAPES, TOKENS, L2_BYTES = True, [(256, 1024)], [1, 16], 1e6
+        LLAMA3_8B.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=32)
     out = Path(os.environ.get("OUT", "."))
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
@@ -226,6 +313,8 @@ def main():
         save(out)
     if "gemv" in parts:
         gemv(args.sweep, args.budget_s)
+    if "step" in parts:
+        RESULTS["step"] = decode_step()
     save(out)
     read = RESULTS.get("read_bandwidth", {}).get("read_TBps", 4.07)
     print(f"\nread bandwidth {read:.2f} TB/s; GEMV effective TB/s (bf16-equivalent) at T = {TOKENS}")
@@ -237,6 +326,14 @@ def main():
         r = min(e["ours_lh12_TBps"][t] / e["ours_bf16_TBps"][t] for t in TOKENS if t <= 16)
         print(f"{key:>12} {fmt(e['xla_TBps']):>24} {fmt(e['ours_bf16_TBps']):>24} "
               f"{fmt(e['ours_lh12_TBps']):>24} {r:>12.2f}")
+    step = RESULTS.get("step")
+    if step:
+        print(f"\n8B-shaped step, batch 1, {CONTEXT} context: ms (floor = bytes / read bandwidth)")
+        for name in ("xla", "ours_bf16", "ours_lh12"):
+            row = step.get(name, {})
+            ts = " ".join(f"T{t}={row.get(f'T{t}_ms', float('nan')):.3f}" for t in STEP_TOKENS)
+            print(f"{name:>10} floor={row.get('floor_ms', float('nan')):.3f} {ts}")
+        print("12-bit logits equal bf16:", step.get("lh12_logits_equal_bf16"))
 
 
 if __name__ == "__main__":
