@@ -48,6 +48,12 @@ def smollm2():
     return _smollm2()
 
 
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    from specjax.models.loading import load_model
+    return load_model("smollm2-135m", dtype="bfloat16")
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

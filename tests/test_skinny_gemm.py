@@ -1,0 +1,133 @@
+"""The skinny GEMM kernels (pallas_kernels/skinny_gemm*.py) in Pallas interpret mode, on fresh
+random inputs: equal to their pure-JAX references, the 12-bit kernel bitwise equal to the bf16
+kernel on the same weights, and every row's result independent of how many rows came with it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.skinny_gemm import (GemmConfig, default_config, prepare_bf16, skinny_gemm,
+                                        skinny_gemm_reference, unprepare_bf16)
+from pallas_kernels.skinny_gemm_lh12 import (dense_lh12, prepare_lh12, skinny_gemm_lh12,
+                                             skinny_gemm_lh12_reference, unprepare_lh12)
+from specjax.weights.lh12 import PLANES, encode
+
+
+def random_case(seed: int, specials: bool = True):
+    """A [K, N] bf16 weight (as bits) with escapes (zeros, denormals, outliers), x [T, K], a config."""
+    rng = np.random.default_rng(seed)
+    k, n, t = int(rng.integers(16, 300)), int(rng.integers(8, 700)), int(rng.integers(1, 70))
+    w = rng.normal(0, 10.0 ** rng.uniform(-3, 0), (k, n)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    if specials:
+        pick = rng.random(w.shape) < 10.0 ** rng.uniform(-4, -1.5)
+        pool = np.array([0, 0x8000, 0x0001, 0x807F, 0x4780, 0xC500], np.uint16)  # ±0, denormals, 2^16, -2^11
+        w[pick] = rng.choice(pool, int(pick.sum()))
+    x = jnp.asarray(rng.normal(0, 1, (t, k)), jnp.bfloat16)
+    cfg = GemmConfig(block_n=int(rng.choice([128, 256])), block_k=int(rng.choice([16, 32, 64])),
+                     split_k=int(rng.integers(1, 4)))
+    return w, x, cfg
+
+
+def bits(y) -> np.ndarray:
+    return np.asarray(y, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bf16_kernel_equals_reference(seed):
+    w, x, cfg = random_case(seed)
+    wj = jnp.asarray(w.view(ml_dtypes.bfloat16))
+    y = skinny_gemm(x, prepare_bf16(wj, cfg, interpret=True))
+    ref = skinny_gemm_reference(x, wj)
+    assert y.shape == ref.shape and y.dtype == jnp.float32
+    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    assert err < 1e-6, err  # float32 sums of exact bf16 products, in another order
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lh12_kernel_equals_reference_and_bf16_kernel_bitwise(seed):
+    w, x, cfg = random_case(10 + seed)
+    p = encode(w)
+    assert p.n_escape > 0 or seed > 2  # the escape path is exercised
+    y12 = skinny_gemm_lh12(x, prepare_lh12(p, cfg, interpret=True))
+    ref = skinny_gemm_lh12_reference(x, p)
+    assert float(jnp.linalg.norm(y12 - ref) / jnp.linalg.norm(ref)) < 1e-6
+    y16 = skinny_gemm(x, prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True))
+    np.testing.assert_array_equal(bits(y12), bits(y16))
+
+
+def test_all_special_weights_bitwise():
+    """NaN payloads, infinities, zeros and denormals: the 12-bit kernel reproduces the bf16 kernel's
+    every output bit (a NaN where it has a NaN: which NaN payload arithmetic yields is unspecified),
+    since it rebuilds the exact weights before multiplying."""
+    rng = np.random.default_rng(3)
+    pool = np.concatenate([np.arange(0x7F80, 0x8000), np.arange(0xFF80, 0x10000), np.arange(0, 0x80),
+                           np.arange(0x8000, 0x8080)]).astype(np.uint16)
+    w = rng.choice(pool, (64, 200))
+    w[:, 1::3] = np.asarray(rng.normal(0, 0.05, (64, 67)), ml_dtypes.bfloat16).view(np.uint16)
+    x = jnp.asarray(rng.normal(0, 1, (3, 64)), jnp.bfloat16)
+    cfg = GemmConfig(block_n=128, block_k=32, split_k=2)
+    y12 = skinny_gemm_lh12(x, prepare_lh12(encode(w), cfg, interpret=True))
+    y16 = skinny_gemm(x, prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True))
+    nan = np.isnan(np.asarray(y16))
+    assert nan.any() and not nan.all()
+    np.testing.assert_array_equal(np.isnan(np.asarray(y12)), nan)
+    np.testing.assert_array_equal(bits(y12)[~nan], bits(y16)[~nan])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_row_results_do_not_depend_on_row_count(seed):
+    """A verify step (T rows) must reproduce an AR step's row bit for bit."""
+    w, x, cfg = random_case(20 + seed)
+    x = jnp.concatenate([x] * 3)[:40]
+    for gw in (prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True),
+               prepare_lh12(encode(w), cfg, interpret=True)):
+        gemm = skinny_gemm if gw.__class__.__name__ == "GemmWeight" else skinny_gemm_lh12
+        full = bits(gemm(x, gw))
+        for t in (0, 15, 16, 39):
+            np.testing.assert_array_equal(bits(gemm(x[t:t + 1], gw))[0], full[t])
+        np.testing.assert_array_equal(bits(gemm(x[5:22], gw)), full[5:22])
+
+
+def test_speed_knobs_leave_numerics_alone():
+    """block_n and the launch knobs change speed only: outputs stay bitwise equal."""
+    w, x, _ = random_case(30)
+    wj = jnp.asarray(w.view(ml_dtypes.bfloat16))
+    outs = [bits(skinny_gemm(x, prepare_bf16(wj, GemmConfig(block_n=bn, block_k=32, split_k=2,
+                                                             num_warps=nw), interpret=True)))
+            for bn, nw in ((128, 4), (256, 8), (512, 4))]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_prepare_round_trips_and_pads():
+    w, _, cfg = random_case(40)
+    wj = jnp.asarray(w.view(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(np.asarray(unprepare_bf16(prepare_bf16(wj, cfg))), np.asarray(wj))
+    p = encode(w)
+    back = unprepare_lh12(prepare_lh12(p, cfg))
+    for name in PLANES:
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)), getattr(p, name), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(dense_lh12(prepare_lh12(p, cfg))).view(np.uint16), w)
+
+
+def test_config_checks_and_default():
+    for bad in (dict(block_n=100), dict(block_n=64), dict(block_k=48), dict(split_k=0)):
+        with pytest.raises(ValueError):
+            GemmConfig(**bad)
+    cfg = default_config((14336, 4096))
+    assert (14336 // cfg.block_k) % cfg.split_k == 0 and cfg.split_k > 1  # no padded copy of K
+    assert default_config((4096, 128256)).split_k == 1  # enough programs along N already
+    with pytest.raises(ValueError, match="weight is"):
+        skinny_gemm(jnp.ones((2, 5)), prepare_bf16(jnp.ones((6, 16)), GemmConfig(), interpret=True))
+
+
+def test_jit_of_kernel_weights():
+    """Prepared weights are pytrees with static layout: a jitted caller traces them like arrays."""
+    w, x, cfg = random_case(50, specials=False)
+    gw = prepare_lh12(encode(w), cfg, interpret=True)
+    f = jax.jit(lambda x, gw: skinny_gemm_lh12(x, gw) * 2)
+    np.testing.assert_array_equal(bits(f(x, gw)), bits(skinny_gemm_lh12(x, gw) * 2))
