@@ -74,6 +74,13 @@ def random_bits(key, shape, scale=0.02):
     return jax.lax.bitcast_convert_type(w, jnp.uint16)
 
 
+def clamp_tiny(bits):
+    """Weights with |w| < 2^-12 raised to ±2^-12: every exponent lands in one 16-wide window."""
+    w = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+    w = jnp.where(jnp.abs(w) < 2.0 ** -12, jnp.where(w < 0, -1.0, 1.0) * 2.0 ** -12, w)
+    return jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+
+
 # --------------------------------------------------------------------------- read bandwidth
 
 def read_bandwidth() -> dict:
@@ -190,6 +197,11 @@ def gemv(sweep: bool, budget_s: float) -> dict:
         bw16 = [prepare_bf16(w, best16, INTERPRET) for w in w16]
         entry["ours_bf16_TBps"] = {t: bw(skinny_gemm, bw16, t) for t in TOKENS}
         entry["ours_lh12_TBps"] = {t: bw(skinny_gemm_lh12, lw, t) for t in TOKENS}
+        # the same with no escape segment anywhere (|w| clamped to >= 2^-12): the patch path's cost
+        clean = [encode_jax(clamp_tiny(b)) for b in bits]
+        entry["lh12_no_escape_segments"] = sum(p.n_escape for p in clean)
+        entry["ours_lh12_no_escapes_TBps"] = {t: bw(skinny_gemm_lh12, [prepare_lh12(p, best12, INTERPRET)
+                                                                       for p in clean], t) for t in (1, 16)}
         res[key] = entry
         log(key, "xla", fmt(entry["xla_TBps"]), "bf16", fmt(entry["ours_bf16_TBps"]),
             "lh12", fmt(entry["ours_lh12_TBps"]), entry["check"])
