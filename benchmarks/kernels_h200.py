@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.skinny_gemm import (GemmConfig, default_config, prepare_bf16, skinny_gemm,  # noqa: E402
                                         skinny_gemm_reference)
 from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12  # noqa: E402
+from specjax.search.kernel_timer import looped, random_bits  # noqa: E402
+from specjax.search.kernel_timer import median_seconds as timed  # noqa: E402
 from specjax.weights.lh12 import encode_jax  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
@@ -46,32 +48,6 @@ def log(*a):
 def save(out: Path):
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels_h200.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-
-
-def timed(fn, *args, repeats: int = 5) -> float:
-    """Median seconds of one call of `fn` (which runs R calls inside; see `looped`)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
-def looped(gemm, reps: int):
-    """jit(x, weights) running reps rounds over every weight copy; x carries the dependency."""
-    def run(x, weights):
-        def body(_, x):
-            ys = [gemm(x, w) for w in weights]
-            return x + (sum(y[:, :1] for y in ys) * 0.0).astype(x.dtype)
-        return jax.lax.fori_loop(0, reps, body, x)
-    return jax.jit(run)
-
-
-def random_bits(key, shape, scale=0.02):
-    w = (scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
-    return jax.lax.bitcast_convert_type(w, jnp.uint16)
 
 
 def clamp_tiny(bits):
