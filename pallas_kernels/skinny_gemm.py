@@ -33,6 +33,7 @@ class GemmConfig:
     split_k: int = 1  # programs along K, partials added in order (numerics)
     num_warps: int = 4
     num_stages: int = 3
+    escape_lookup: str = "superword"  # LH12 only: flag/rank lookups per super-word or per segment
 
     def __post_init__(self):
         bm = self.block_n // STRIPES
@@ -40,6 +41,8 @@ class GemmConfig:
             raise ValueError(f"block_n must be 8 x a power of two >= 16, got {self.block_n}")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+        if self.escape_lookup not in ("superword", "segment"):
+            raise ValueError(f"escape_lookup must be superword or segment, got {self.escape_lookup!r}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
 

@@ -4,6 +4,8 @@ kernel on the same weights, and every row's result independent of how many rows 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -53,6 +55,9 @@ def test_lh12_kernel_equals_reference_and_bf16_kernel_bitwise(seed):
     p = encode(w)
     assert p.n_escape > 0 or seed > 2  # the escape path is exercised
     y12 = skinny_gemm_lh12(x, prepare_lh12(p, cfg, interpret=True))
+    by_segment = dataclasses.replace(cfg, escape_lookup="segment")
+    np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, prepare_lh12(p, by_segment, interpret=True))),
+                                  bits(y12))
     ref = skinny_gemm_lh12_reference(x, p)
     assert float(jnp.linalg.norm(y12 - ref) / jnp.linalg.norm(ref)) < 1e-6
     y16 = skinny_gemm(x, prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True))
@@ -115,7 +120,8 @@ def test_prepare_round_trips_and_pads():
 
 
 def test_config_checks_and_default():
-    for bad in (dict(block_n=100), dict(block_n=64), dict(block_k=48), dict(split_k=0)):
+    for bad in (dict(block_n=100), dict(block_n=64), dict(block_k=48), dict(split_k=0),
+                dict(escape_lookup="row")):
         with pytest.raises(ValueError):
             GemmConfig(**bad)
     cfg = default_config((14336, 4096))
