@@ -104,6 +104,14 @@ def stripe_tiles(lo_a, lo_b, ha, hb):
     return tiles
 
 
+def popcount(x):
+    """Set bits per uint32 in plain integer ops (Pallas' Triton lowering has no ctpop)."""
+    x = x - ((x >> 1) & _U32(0x55555555))
+    x = (x & _U32(0x33333333)) + ((x >> 2) & _U32(0x33333333))
+    x = (x + (x >> 4)) & _U32(0x0F0F0F0F)
+    return (x * _U32(0x01010101)) >> 24
+
+
 def escaped_high_bytes(esc, ovw, code, ha, hb):
     """In escape segments the code holds H's low nibble and the overflow word its high nibble."""
     ha = jnp.where(esc, (code & _U32(0x0F0F0F0F)) | ((ovw << 4) & _U32(0xF0F0F0F0)), ha)
@@ -125,7 +133,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         word = flag_ref[(seg >> 5).astype(jnp.int32)]
         bit = seg & _U32(31)
         esc = ((word >> bit) & _U32(1)) == _U32(1)
-        rank = ovbase_ref[(seg >> 5).astype(jnp.int32)] + jax.lax.population_count(
+        rank = ovbase_ref[(seg >> 5).astype(jnp.int32)] + popcount(
             word & ((_U32(1) << bit) - _U32(1)))
         sentinel = _U32(ov_ref.shape[0] - SEG_WORDS)
         ovw = ov_ref[jnp.where(esc, rank * _U32(SEG_WORDS) + (m & _U32(7)), sentinel).astype(jnp.int32)]
@@ -141,7 +149,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         word = flag_ref[(seg >> 5).astype(jnp.int32)]
         bit = seg & _U32(31)
         esc = ((word >> bit) & _U32(1)) == _U32(1)
-        rank = ovbase_ref[(seg >> 5).astype(jnp.int32)] + jax.lax.population_count(
+        rank = ovbase_ref[(seg >> 5).astype(jnp.int32)] + popcount(
             word & ((_U32(1) << bit) - _U32(1)))
         sentinel = _U32(ov_ref.shape[0] - SEG_WORDS)
         first = jnp.where(esc, rank * _U32(SEG_WORDS), sentinel)
