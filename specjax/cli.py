@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn token")
     g.add_argument("--kernels", choices=["auto", "xla", "pallas", "interpret"], default="auto",
-                   help="matmuls: Pallas skinny GEMMs (auto: on a GPU for bf16) or XLA")
+                   help="matmuls: XLA (auto, for now) or the Pallas skinny GEMMs (pallas: GPU; interpret: CPU)")
     g.add_argument("--weights", choices=["bf16", "lh12"], default="bf16",
                    help="weight format the kernels read: bf16 or lossless 12-bit (needs --dtype bfloat16)")
     g.add_argument("--kernel-tiles", choices=["default", "tuned"], default="default",
