@@ -87,6 +87,19 @@ def read_bandwidth() -> dict:
             out[f"pallas_read_rb{rb}_c{chunk}_w{nw}_s{ns}_TBps"] = nbytes / timed(f, x) / 1e12
         except Exception as e:  # noqa: BLE001 - record and go on
             out[f"pallas_read_rb{rb}_c{chunk}_w{nw}_error"] = repr(e)[:300]
+    # one block per program, no loop: many small programs keep more loads in flight per SM
+    for rb, nw in [(32, 4), (64, 4), (128, 8)]:
+        def one_block(x_ref, o_ref):
+            o_ref[...] = jnp.sum(x_ref[...].astype(jnp.float32), axis=0, keepdims=True)
+        f = jax.jit(lambda x, rb=rb, nw=nw: pl.pallas_call(
+            one_block, out_shape=jax.ShapeDtypeStruct((rows // rb, cols), jnp.float32),
+            grid=(rows // rb,), in_specs=[pl.BlockSpec((rb, cols), lambda i: (i, 0))],
+            out_specs=pl.BlockSpec((1, cols), lambda i: (i, 0)),
+            compiler_params=plgpu.CompilerParams(num_warps=nw, num_stages=1))(x))
+        try:
+            out[f"pallas_read_block{rb}_w{nw}_TBps"] = nbytes / timed(f, x) / 1e12
+        except Exception as e:  # noqa: BLE001
+            out[f"pallas_read_block{rb}_w{nw}_error"] = repr(e)[:300]
     out["read_TBps"] = max(v for k, v in out.items() if k.endswith("_TBps"))
     log("read bandwidth", {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()})
     return out
@@ -94,14 +107,15 @@ def read_bandwidth() -> dict:
 
 # --------------------------------------------------------------------------- GEMV
 
-def check_kernels(shape, cfg: GemmConfig, packed, bits) -> dict:
-    """Against the reference (relative error), bf16 vs 12-bit bitwise, and T-invariance bitwise."""
+def check_kernels(shape, cfg16: GemmConfig, cfg12: GemmConfig, packed, bits) -> dict:
+    """Against the reference (relative error), bf16 vs 12-bit bitwise (each with its own speed
+    settings, one numerics), and T-invariance bitwise."""
     k, _ = shape
     w = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
     x = jax.random.normal(jax.random.PRNGKey(7), (16, k), jnp.bfloat16)
-    y16 = skinny_gemm(x, prepare_bf16(w, cfg, INTERPRET))
-    y12 = skinny_gemm_lh12(x, prepare_lh12(packed, cfg, INTERPRET))
-    y1 = skinny_gemm(x[3:4], prepare_bf16(w, cfg, INTERPRET))
+    y16 = skinny_gemm(x, prepare_bf16(w, cfg16, INTERPRET))
+    y12 = skinny_gemm_lh12(x, prepare_lh12(packed, cfg12, INTERPRET))
+    y1 = skinny_gemm(x[3:4], prepare_bf16(w, cfg16, INTERPRET))
     ref = skinny_gemm_reference(x, w)
     rel = float(jnp.linalg.norm(y16 - ref) / jnp.linalg.norm(ref))
     return {"rel_err_vs_reference": rel,
@@ -110,23 +124,52 @@ def check_kernels(shape, cfg: GemmConfig, packed, bits) -> dict:
             "finite": bool(jnp.all(jnp.isfinite(y12)))}
 
 
-def gemv_configs(shape):
-    k, n = shape
-    out = [default_config(shape)]
-    for bn in (256, 512):
-        for bk in (64, 128):
-            grid_n = -(-(-(-n // 8)) // (bn // 8))
-            split = max(1, min(16, -(-264 // grid_n)))
-            while split > 1 and k % (bk * split):
-                split -= 1
-            for nw, ns in ((4, 3), (8, 3)):
-                out.append(GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=nw, num_stages=ns))
-    return list(dict.fromkeys(out))
+def speed_candidates(shape, fmt_: str, sweep: bool, ranked: list) -> list[GemmConfig]:
+    """Configs sharing the shape's numerics (block_k, split_k: default_config), varying only the
+    speed settings of one format; settings that won on earlier shapes first."""
+    base = default_config(shape)
+    if fmt_ == "bf16":
+        space = [dict(block_n=bn, num_warps=nw, num_stages=ns)
+                 for bn in (256, 512, 128, 1024) for nw, ns in ((4, 3), (4, 4), (8, 3), (8, 4))]
+    else:
+        space = [dict(block_n=bn, num_warps=4, num_stages=ns, escape_lookup=lk)
+                 for bn in (256, 512) for ns in (3, 2, 4) for lk in ("masked", "superword", "segment")]
+    space = [dataclasses.replace(base, **d) for d in space]
+    if not sweep:
+        return [base if fmt_ == "bf16" else dataclasses.replace(base, escape_lookup="masked")]
+    first = [dataclasses.replace(base, **{f: getattr(c, f) for f in
+                                          ("block_n", "num_warps", "num_stages", "escape_lookup")})
+             for c in ranked]
+    return list(dict.fromkeys(first + space))
+
+
+WINS: dict[str, list] = {"bf16": [], "lh12": []}  # best speed settings per shape, in shape order
+BEST: dict = {}  # (shape, format) -> the sweep's winner, for the decode step
+
+
+def sweep_format(fmt_, shape, weights_of, bw, sweep: bool, deadline: float, entry) -> GemmConfig:
+    """Time the candidates at T = 1 until the deadline; the fastest wins."""
+    tried = {}
+    for cfg in speed_candidates(shape, fmt_, sweep, WINS[fmt_]):
+        if tried and time.time() > deadline:
+            break
+        try:
+            tried[cfg] = bw(skinny_gemm if fmt_ == "bf16" else skinny_gemm_lh12, weights_of(cfg), 1)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+            entry.setdefault("errors", []).append(f"{fmt_} {cfg}: {e!r}"[:400])
+            log(fmt_, "error", cfg, repr(e)[:200])
+    entry[f"sweep_T1_{fmt_}"] = {str(c): v for c, v in tried.items()}
+    if not tried:
+        raise RuntimeError(f"no {fmt_} config ran on {shape}")
+    best = max(tried, key=tried.get)
+    WINS[fmt_].insert(0, best)
+    return best
 
 
 def gemv(sweep: bool, budget_s: float) -> dict:
-    res = {}
-    for shape in SHAPES:
+    res = dict(RESULTS.get("gemv", {}))
+    start = time.time()
+    for n_shape, shape in enumerate(SHAPES):
         k, n = shape
         key = f"{k}x{n}"
         nbytes = 2 * k * n
@@ -145,45 +188,22 @@ def gemv(sweep: bool, budget_s: float) -> dict:
 
         xla = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
         entry["xla_TBps"] = {t: bw(xla, w16, t) for t in TOKENS}
-        # choose configs at T = 16: numerics (block_k, split_k) by the 12-bit kernel, shared
-        cands = gemv_configs(shape) if sweep else [gemv_configs(shape)[0]]
-        # the escape lookup first (default tiles, both ways), then the sweep with the faster one
-        cands = [dataclasses.replace(cands[0], escape_lookup="segment")] + cands
-        tried = {}
-        for n, cfg in enumerate(cands):
-            if tried and time.time() - T0 > budget_s:
-                break
-            if n >= 2 and tried:
-                cfg = dataclasses.replace(cfg, escape_lookup=max(tried, key=tried.get).escape_lookup)
-            try:
-                t12 = bw(skinny_gemm_lh12, [prepare_lh12(p, cfg, INTERPRET) for p in packed], 16)
-                tried[cfg] = t12
-            except Exception as e:  # noqa: BLE001
-                entry.setdefault("errors", []).append(f"{cfg}: {e!r}"[:400])
-                log(key, "lh12 error", cfg, repr(e)[:300])
-        if not tried:  # the 12-bit kernel failed: still time the bf16 one
-            try:
-                bw16 = [prepare_bf16(w, cands[1], INTERPRET) for w in w16]
-                entry["ours_bf16_TBps"] = {t: bw(skinny_gemm, bw16, t) for t in TOKENS}
-            except Exception as e:  # noqa: BLE001
-                entry.setdefault("errors", []).append(f"bf16 {cands[1]}: {e!r}"[:400])
+        share = (budget_s - (start - T0) - (time.time() - start)) / (len(SHAPES) - n_shape) / 2
+        try:
+            best16 = sweep_format("bf16", shape, lambda c: [prepare_bf16(w, c, INTERPRET) for w in w16],
+                                  bw, sweep, time.time() + share, entry)
+            best12 = sweep_format("lh12", shape, lambda c: [prepare_lh12(p, c, INTERPRET) for p in packed],
+                                  bw, sweep, time.time() + share, entry)
+        except RuntimeError as e:
+            entry.setdefault("errors", []).append(str(e))
             res[key] = entry
             RESULTS["gemv"] = res
             save(Path(os.environ.get("OUT", ".")))
             continue
-        best12 = max(tried, key=tried.get)
-        same = [c for c in cands[1:] if c.numerics == best12.numerics]
-        tried16 = {}
-        for cfg in (same[:6] if sweep and time.time() - T0 < budget_s else [best12]):
-            try:
-                tried16[cfg] = bw(skinny_gemm, [prepare_bf16(w, cfg, INTERPRET) for w in w16], 16)
-            except Exception as e:  # noqa: BLE001
-                entry.setdefault("errors", []).append(f"bf16 {cfg}: {e!r}"[:400])
-        best16 = max(tried16, key=tried16.get) if tried16 else best12
-        entry["sweep_T16_lh12"] = {str(c): v for c, v in tried.items()}
-        entry["sweep_T16_bf16"] = {str(c): v for c, v in tried16.items()}
         entry["config_lh12"], entry["config_bf16"] = str(best12), str(best16)
-        entry["check"] = check_kernels(shape, best12, packed[0], bits[0])
+        BEST[(shape, "bf16")], BEST[(shape, "lh12")] = best16, best12
+        entry["config_dicts"] = {"bf16": dataclasses.asdict(best16), "lh12": dataclasses.asdict(best12)}
+        entry["check"] = check_kernels(shape, best16, best12, packed[0], bits[0])
         lw = [prepare_lh12(p, best12, INTERPRET) for p in packed]
         bw16 = [prepare_bf16(w, best16, INTERPRET) for w in w16]
         entry["ours_bf16_TBps"] = {t: bw(skinny_gemm, bw16, t) for t in TOKENS}
@@ -195,7 +215,7 @@ def gemv(sweep: bool, budget_s: float) -> dict:
                                                                        for p in clean], t) for t in (1, 16)}
         res[key] = entry
         log(key, "xla", fmt(entry["xla_TBps"]), "bf16", fmt(entry["ours_bf16_TBps"]),
-            "lh12", fmt(entry["ours_lh12_TBps"]), entry["check"])
+            "lh12", fmt(entry["ours_lh12_TBps"]), entry["check"], best16, best12)
         RESULTS["gemv"] = res
         save(Path(os.environ.get("OUT", ".")))
     return res
@@ -252,12 +272,14 @@ def decode_step() -> dict:
     params = init_random_params(cfg, jax.random.PRNGKey(0))
     read = RESULTS.get("read_bandwidth", {}).get("read_TBps", 4.07) * 1e12
     variants = {"xla": params}
-    variants["ours_bf16"], _ = prepare_kernel_params(params, cfg, interpret=INTERPRET)
+    configs = {(tuple(s), f): c for (s, f), c in BEST.items()}  # the GEMV sweep's winners
+    variants["ours_bf16"], _ = prepare_kernel_params(params, cfg, interpret=INTERPRET, configs=configs)
     lh12, report = prepare_kernel_params(params, cfg, {"attn": "lh12", "mlp": "lh12", "head": "lh12"},
-                                         interpret=INTERPRET)
+                                         interpret=INTERPRET, configs=configs)
     variants["ours_lh12"] = lh12
     out = {"config": LLAMA3_8B, "context": CONTEXT, "read_TBps": read / 1e12,
-           "lh12_kept_bf16": [r.name for r in report if r.format != "lh12"]}
+           "lh12_kept_bf16": [r.name for r in report if r.format != "lh12"],
+           "configs": {f"{s[0]}x{s[1]} {f}": str(c) for (s, f), c in configs.items()}}
     for name, p in variants.items():
         b = step_bytes(cfg, p)
         row = {"bytes": b, "floor_ms": b["total"] / read * 1e3}
@@ -296,6 +318,9 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
+    ap.add_argument("--configs-from", help="an earlier run's kernels_h200.json: its GEMV winners "
+                    "configure the step (and its figures are kept in this run's JSON)")
+    ap.add_argument("--shapes", help="GEMV shapes to run, e.g. 4096x6144,4096x28672 (default: the five)")
     args = ap.parse_args()
     if args.smoke:
         global INTERPRET, SHAPES, TOKENS, L2_BYTES
@@ -311,11 +336,24 @@ def main():
                        "commit": commit, "jax": jax.__version__,
                        "device": jax.devices()[0].device_kind}
     parts = args.parts.split(",")
+    if args.shapes:
+        SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.configs_from:
+        earlier = json.loads(Path(args.configs_from).read_text())
+        for key in ("read_bandwidth", "gemv"):
+            if key in earlier:
+                RESULTS[key] = earlier[key]
+        for key, e in earlier.get("gemv", {}).items():
+            if "config_dicts" in e:
+                shape = tuple(int(v) for v in key.split("x"))
+                for f, d in e["config_dicts"].items():
+                    BEST[(shape, f)] = GemmConfig(**d)
+                    WINS[f].append(BEST[(shape, f)])
     if "bw" in parts:
         RESULTS["read_bandwidth"] = read_bandwidth()
         save(out)
     if "gemv" in parts:
-        gemv(args.sweep, args.budget_s)
+        RESULTS["gemv"] = {**RESULTS.get("gemv", {}), **gemv(args.sweep, args.budget_s)}
     if "step" in parts:
         RESULTS["step"] = decode_step()
     save(out)

@@ -1,13 +1,14 @@
 """Skinny GEMM over bf16 weights: y[T, N] = x[T, K] @ W[K, N] for T = 1..64 (decode and verify).
 
-One program owns `block_n` output columns as 8 blocks of `block_n // 8`, one in each column stripe
-(stripe i = columns [i*M, (i+1)*M), M = N / 8), and a 1/split_k share of K. This is the shape the
-12-bit kernel (skinny_gemm_lh12.py) decodes into, so both kernels run the same dots in the same
-order and give bitwise equal outputs on the same weights. The order, per output column: rows in
-chunks of 16 (a tensor-core dot of [16, block_k] x [block_k, block_n // 8] per K step, so row t's
+One program owns `block_n` contiguous output columns (one wide tile: 128+ bytes per weight row,
+so loads stay coalesced) and a 1/split_k share of K. The reduction order, per output column: rows
+in chunks of 16 (a tensor-core dot of [16, block_k] x [block_k, columns] per K step, so row t's
 result never depends on T: AR steps and verify steps agree bit for bit), K steps accumulated in
-order, then the split_k partials added in order. `block_k` and `split_k` therefore are numerics,
-not just speed; `block_n`, `num_warps` and `num_stages` are speed only.
+order, then the split_k partials added in order. A column's result does not depend on how many
+columns share its dot, so the 12-bit kernel (skinny_gemm_lh12.py), which decodes 8 column stripes
+of block_n // 8 columns each, runs the same arithmetic per column and gives bitwise equal outputs
+on the same weights. `block_k` and `split_k` therefore are numerics, not just speed; `block_n`,
+`num_warps` and `num_stages` are speed only.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ ROW_CHUNK = 16  # rows per tensor-core dot; M = 16 keeps Triton on mma.sync for 
 class GemmConfig:
     """Tuning config of both skinny GEMMs (bf16 and LH12)."""
 
-    block_n: int = 256  # output columns per program (block_n // 8 in each stripe)
+    block_n: int = 256  # output columns per program (12-bit: block_n // 8 in each of 8 stripes)
     block_k: int = 64  # rows of W per K step (numerics)
     split_k: int = 1  # programs along K, partials added in order (numerics)
     num_warps: int = 4
     num_stages: int = 3
-    escape_lookup: str = "superword"  # LH12 only: flag/rank lookups per super-word or per segment
+    # LH12 only: flag/rank lookups per super-word, per segment, or per segment with the overflow
+    # gather predicated off outside escape segments ("masked")
+    escape_lookup: str = "superword"
 
     def __post_init__(self):
         bm = self.block_n // STRIPES
@@ -41,8 +44,9 @@ class GemmConfig:
             raise ValueError(f"block_n must be 8 x a power of two >= 16, got {self.block_n}")
         if self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
-        if self.escape_lookup not in ("superword", "segment"):
-            raise ValueError(f"escape_lookup must be superword or segment, got {self.escape_lookup!r}")
+        if self.escape_lookup not in ("superword", "segment", "masked"):
+            raise ValueError(f"escape_lookup must be superword, segment or masked, "
+                             f"got {self.escape_lookup!r}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
 
@@ -67,6 +71,7 @@ class Geometry:
     mp: int  # m rounded up to block_m
     kp: int  # k rounded up to block_k * split_k
     steps: int  # K steps per program
+    npad: int  # n rounded up to block_n (the bf16 kernel's plain columns)
 
     @staticmethod
     def of(shape: tuple[int, int], cfg: GemmConfig) -> "Geometry":
@@ -75,7 +80,7 @@ class Geometry:
         mp = -(-m // cfg.block_m) * cfg.block_m
         per = cfg.block_k * cfg.split_k
         kp = -(-k // per) * per
-        return Geometry(k, n, m, mp, kp, kp // per)
+        return Geometry(k, n, m, mp, kp, kp // per, -(-n // cfg.block_n) * cfg.block_n)
 
 
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 multiprocessors
@@ -98,8 +103,8 @@ def default_config(shape: tuple[int, int], block_n: int = 256, block_k: int = 64
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(eq=False)
 class GemmWeight:
-    """A bf16 weight [K, N] laid out for `skinny_gemm`: [Kp, 8 * Mp], stripe i at columns
-    [i * Mp, i * Mp + M). When N = 8M, M = Mp and K = Kp (large models) it is the plain matrix."""
+    """A bf16 weight [K, N] padded for `skinny_gemm` to [Kp, Np] (the plain matrix itself when
+    block_k * split_k divides K and block_n divides N, as in large models)."""
 
     w: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
@@ -111,19 +116,15 @@ def prepare_bf16(w: jax.Array, config: GemmConfig, interpret: bool = False) -> G
     """[K, N] weight -> GemmWeight (a copy only where padding is needed)."""
     g = Geometry.of(tuple(w.shape), config)
     w = jnp.asarray(w, jnp.bfloat16)
-    if (STRIPES * g.m, g.mp, g.kp) != (g.n, g.m, g.k):
-        w = jnp.pad(w, ((0, g.kp - g.k), (0, STRIPES * g.m - g.n)))
-        w = jnp.pad(w.reshape(g.kp, STRIPES, g.m), ((0, 0), (0, 0), (0, g.mp - g.m)))
-        w = w.reshape(g.kp, STRIPES * g.mp)
+    if (g.kp, g.npad) != (g.k, g.n):
+        w = jnp.pad(w, ((0, g.kp - g.k), (0, g.npad - g.n)))
     return GemmWeight(w=w, shape=(g.k, g.n), config=config, interpret=interpret)
 
 
 def unprepare_bf16(gw: GemmWeight) -> jax.Array:
     """The plain [K, N] matrix back (for paths that use XLA, e.g. prefill)."""
-    g = Geometry.of(gw.shape, gw.config)
-    if (STRIPES * g.m, g.mp, g.kp) == (g.n, g.m, g.k):
-        return gw.w
-    return gw.w.reshape(g.kp, STRIPES, g.mp)[:g.k, :, :g.m].reshape(g.k, STRIPES * g.m)[:, :g.n]
+    k, n = gw.shape
+    return gw.w if tuple(gw.w.shape) == (k, n) else gw.w[:k, :n]
 
 
 def pad_rows(x: jax.Array, g: Geometry) -> jax.Array:
@@ -133,11 +134,17 @@ def pad_rows(x: jax.Array, g: Geometry) -> jax.Array:
     return jnp.pad(x.astype(jnp.bfloat16), ((0, tp - t), (0, g.kp - g.k)))
 
 
-def finish(partials: jax.Array, g: Geometry, t: int) -> jax.Array:
-    """[split_k, Tp, 8 * Mp] float32 partials -> y [T, N]: added in split order, then unpadded."""
+def sum_partials(partials: jax.Array) -> jax.Array:
+    """[split_k, Tp, columns] float32 -> [Tp, columns], added in split order (both kernels)."""
     y = partials[0]
-    for s in range(1, partials.shape[0]):  # a fixed order, the same in both kernels
+    for s in range(1, partials.shape[0]):
         y = y + partials[s]
+    return y
+
+
+def finish(partials: jax.Array, g: Geometry, t: int) -> jax.Array:
+    """12-bit kernel: [split_k, Tp, 8 * Mp] float32 partials (stripe-major) -> y [T, N]."""
+    y = sum_partials(partials)
     if (STRIPES * g.m, g.mp) != (g.n, g.m):
         y = y.reshape(-1, STRIPES, g.mp)[:, :, :g.m].reshape(-1, STRIPES * g.m)[:, :g.n]
     return y[:t]
@@ -174,17 +181,17 @@ def compiler_params(cfg: GemmConfig, interpret: bool):
 
 def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, chunks: int):
     j, s = pl.program_id(0), pl.program_id(1)
-    bm = cfg.block_m
+    n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
 
     def step(i, accs):
         k0 = pl.multiple_of((s * g.steps + i) * cfg.block_k, cfg.block_k)
-        tiles = [w_ref[pl.ds(k0, cfg.block_k), pl.ds(pl.multiple_of(e * g.mp + j * bm, bm), bm)]
-                 for e in range(STRIPES)]
-        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), tiles, accs)
+        tile = w_ref[pl.ds(k0, cfg.block_k), pl.ds(n0, cfg.block_n)]
+        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), [tile], accs)
 
-    zero = jnp.zeros((ROW_CHUNK, bm), jnp.float32)
-    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * (STRIPES * chunks))
-    store_accs(o_ref, accs, g, cfg, chunks)
+    zero = jnp.zeros((ROW_CHUNK, cfg.block_n), jnp.float32)
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * chunks)
+    for c in range(chunks):
+        o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
 
 
 @jax.jit
@@ -197,13 +204,13 @@ def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
     chunks = xp.shape[0] // ROW_CHUNK
     partials = pl.pallas_call(
         functools.partial(_bf16_kernel, g=g, cfg=cfg, chunks=chunks),
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),
-        grid=(g.mp // cfg.block_m, cfg.split_k),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], g.npad), jnp.float32),
+        grid=(g.npad // cfg.block_n, cfg.split_k),
         compiler_params=compiler_params(cfg, gw.interpret),
         interpret=gw.interpret,
         name="skinny_gemm_bf16",
     )(xp, gw.w)
-    return finish(partials, g, x.shape[0])
+    return sum_partials(partials)[:x.shape[0], :g.n]
 
 
 def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:

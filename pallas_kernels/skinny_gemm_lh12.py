@@ -120,7 +120,8 @@ def escaped_high_bytes(esc, ovw, code, ha, hb):
 
 
 def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, o_ref, *,
-                 g: Geometry, cfg: GemmConfig, base: int, segs: int, chunks: int):
+                 g: Geometry, cfg: GemmConfig, base: int, segs: int, chunks: int,
+                 lw_interpret: bool):
     j, s = pl.program_id(0), pl.program_id(1)
     bk, bm = cfg.block_k, cfg.block_m
     m0 = pl.multiple_of(j * bm, bm)
@@ -139,9 +140,10 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         ovw = ov_ref[jnp.where(esc, rank * _U32(SEG_WORDS) + (m & _U32(7)), sentinel).astype(jnp.int32)]
         return escaped_high_bytes(esc, ovw, code, ha, hb)
 
-    def patch_by_segment(k0, code, ha, hb):
+    def patch_by_segment(k0, code, ha, hb, masked: bool):
         """`patch` with the flag, rank and ovbase lookups done once per segment (8 super-words),
-        then broadcast along the row: an eighth of the lookups, one extra reshape."""
+        then broadcast along the row: an eighth of the lookups, one extra reshape. `masked`
+        predicates the overflow-word gather off outside escape segments (most of the tile)."""
         nseg = bm // SEG_WORDS
         r = (k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, nseg), 0)).astype(jnp.uint32)
         sg = (m0 // SEG_WORDS + jax.lax.broadcasted_iota(jnp.int32, (bk, nseg), 1)).astype(jnp.uint32)
@@ -155,8 +157,13 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         first = jnp.where(esc, rank * _U32(SEG_WORDS), sentinel)
         first = jnp.broadcast_to(first[:, :, None], (bk, nseg, SEG_WORDS)).reshape(bk, bm)
         within = jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 1).astype(jnp.uint32) & _U32(7)
-        ovw = ov_ref[(first + within).astype(jnp.int32)]
-        return escaped_high_bytes(first != sentinel, ovw, code, ha, hb)
+        esc = first != sentinel
+        if masked:
+            from jax.experimental.pallas import triton as plgpu  # masked loads: a Triton-backend op
+            ovw = plgpu.load(ov_ref.at[(first + within).astype(jnp.int32)], mask=esc, other=0)
+        else:
+            ovw = ov_ref[(first + within).astype(jnp.int32)]
+        return escaped_high_bytes(esc, ovw, code, ha, hb)
 
     def step(i, accs):
         kb = s * g.steps + i
@@ -165,7 +172,9 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         lo_a = lo_ref[pl.ds(k0, bk), pl.ds(m0, bm)]
         lo_b = lo_ref[pl.ds(k0, bk), pl.ds(pl.multiple_of(g.mp + m0, bm), bm)]
         ha, hb = high_bytes(code, base)
-        fix = patch_by_segment if cfg.escape_lookup == "segment" else patch
+        fix = {"superword": patch,
+               "segment": functools.partial(patch_by_segment, masked=False),
+               "masked": functools.partial(patch_by_segment, masked=True)}[cfg.escape_lookup]
         ha, hb = jax.lax.cond(esc_ref[kb, j] > 0, lambda: fix(k0, code, ha, hb), lambda: (ha, hb))
         return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), stripe_tiles(lo_a, lo_b, ha, hb), accs)
 
@@ -184,7 +193,7 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     xp = pad_rows(x, g)
     chunks = xp.shape[0] // ROW_CHUNK
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
-                               chunks=chunks)
+                               chunks=chunks, lw_interpret=lw.interpret)
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),

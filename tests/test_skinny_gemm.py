@@ -55,9 +55,10 @@ def test_lh12_kernel_equals_reference_and_bf16_kernel_bitwise(seed):
     p = encode(w)
     assert p.n_escape > 0 or seed > 2  # the escape path is exercised
     y12 = skinny_gemm_lh12(x, prepare_lh12(p, cfg, interpret=True))
-    by_segment = dataclasses.replace(cfg, escape_lookup="segment")
-    np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, prepare_lh12(p, by_segment, interpret=True))),
-                                  bits(y12))
+    for lookup in ("segment", "masked"):
+        other = dataclasses.replace(cfg, escape_lookup=lookup)
+        np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, prepare_lh12(p, other, interpret=True))),
+                                      bits(y12))
     ref = skinny_gemm_lh12_reference(x, p)
     assert float(jnp.linalg.norm(y12 - ref) / jnp.linalg.norm(ref)) < 1e-6
     y16 = skinny_gemm(x, prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True))

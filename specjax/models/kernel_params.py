@@ -38,18 +38,30 @@ class TensorReport:
     reason: str = ""
 
 
-def config_for(shape: tuple[int, int], tiles: str) -> GemmConfig:
+Configs = dict[tuple[tuple[int, int], str], GemmConfig]  # (shape, format) -> config
+
+
+def config_for(shape: tuple[int, int], fmt: str, tiles: str, configs: Configs | None = None) -> GemmConfig:
+    """One shape's config for one format. Speed settings may differ per format; numerics must
+    not (the tuner's cache and `default_config` guarantee it; explicit `configs` are checked)."""
+    if configs and (shape, fmt) in configs:
+        cfg = configs[(shape, fmt)]
+        other = configs.get((shape, "bf16" if fmt == "lh12" else "lh12"))
+        if other is not None and other.numerics != cfg.numerics:
+            raise ConfigError(f"kernel configs of {shape}: bf16 and lh12 must share (block_k, split_k), "
+                              f"got {cfg.numerics} and {other.numerics}")
+        return cfg
     if tiles == "default":
         return default_config(shape)
     if tiles == "tuned":
         from specjax.search.kernel_tuner import tuned_config
-        return tuned_config(shape, "lh12")
+        return tuned_config(shape, fmt)
     raise ConfigError(f"kernel tiles must be 'default' or 'tuned', got {tiles!r}")
 
 
-def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool):
+def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool, configs: Configs | None):
     shape = tuple(int(d) for d in w.shape)
-    cfg = config_for(shape, tiles)
+    cfg = config_for(shape, fmt, tiles, configs)
     w = jnp.asarray(w, jnp.bfloat16)
     if fmt == "lh12":
         packed = encode_jax(jax.lax.bitcast_convert_type(w, jnp.uint16))
@@ -59,16 +71,18 @@ def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool):
             return prepare_lh12(packed, cfg, interpret), TensorReport(
                 name, shape, "lh12", packed.bits_per_weight, cfg, f"{frac:.2%} escape segments")
         reason = f"{frac:.1%} escape segments (limit {LAYOUT.max_escape_fraction:.0%}): kept bf16"
+        cfg = config_for(shape, "bf16", tiles, configs)
     else:
         reason = ""
     return prepare_bf16(w, cfg, interpret), TensorReport(name, shape, "bf16", 16.0, cfg, reason)
 
 
 def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[str, str] | None = None,
-                          tiles: str = "default", interpret: bool = False
-                          ) -> tuple[ModelParams, list[TensorReport]]:
+                          tiles: str = "default", interpret: bool = False,
+                          configs: Configs | None = None) -> tuple[ModelParams, list[TensorReport]]:
     """params with every matrix as a kernel weight, and what each became. `interpret` runs the
-    kernels in Pallas interpret mode (CPU tests); otherwise they need a GPU."""
+    kernels in Pallas interpret mode (CPU tests); otherwise they need a GPU. `configs` pins
+    (shape, format) -> config (benchmarks use their sweep's winners)."""
     if cfg.dtype != "bfloat16":
         raise ConfigError(f"the Pallas kernels read bf16 weights; this model is {cfg.dtype} "
                           "(load it with dtype bfloat16)")
@@ -81,11 +95,11 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
         new = {}
         for field, group in GROUP_OF.items():
             new[field], r = _prepare(f"layers.{i}.{field}", getattr(layer, field), formats[group],
-                                     tiles, interpret)
+                                     tiles, interpret, configs)
             report.append(r)
         layers.append(dataclasses.replace(layer, **new))
     head = params.embed.T if params.lm_head is None else params.lm_head
-    lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret)
+    lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret, configs)
     report.append(r)
     return dataclasses.replace(params, layers=layers, lm_head=lm_head), report
 
