@@ -132,13 +132,15 @@ def speed_candidates(shape, fmt_: str, sweep: bool, ranked: list) -> list[GemmCo
         space = [dict(block_n=bn, num_warps=nw, num_stages=ns)
                  for bn in (256, 512, 128, 1024) for nw, ns in ((4, 3), (4, 4), (8, 3), (8, 4))]
     else:
-        space = [dict(block_n=bn, num_warps=4, num_stages=ns, escape_lookup=lk)
-                 for bn in (256, 512) for ns in (3, 2, 4) for lk in ("masked", "superword", "segment")]
+        space = [dict(block_n=bn, num_warps=4, num_stages=ns, escape_lookup=lk, decode=dec)
+                 for dec in ("prmt", "swar") for lk in ("masked", "superword", "segment")
+                 for bn in (256, 512) for ns in (3, 2, 4)]
     space = [dataclasses.replace(base, **d) for d in space]
     if not sweep:
-        return [base if fmt_ == "bf16" else dataclasses.replace(base, escape_lookup="masked")]
+        return [base if fmt_ == "bf16" else dataclasses.replace(base, escape_lookup="masked", decode="prmt")]
     first = [dataclasses.replace(base, **{f: getattr(c, f) for f in
-                                          ("block_n", "num_warps", "num_stages", "escape_lookup")})
+                                          ("block_n", "num_warps", "num_stages", "escape_lookup",
+                                           "decode")})
              for c in ranked]
     return list(dict.fromkeys(first + space))
 

@@ -37,6 +37,7 @@ class GemmConfig:
     # LH12 only: flag/rank lookups per super-word, per segment, or per segment with the overflow
     # gather predicated off outside escape segments ("masked")
     escape_lookup: str = "superword"
+    decode: str = "swar"  # LH12 only: byte interleave in 32-bit masks ("swar") or PTX prmt ("prmt")
 
     def __post_init__(self):
         bm = self.block_n // STRIPES
@@ -47,6 +48,8 @@ class GemmConfig:
         if self.escape_lookup not in ("superword", "segment", "masked"):
             raise ValueError(f"escape_lookup must be superword, segment or masked, "
                              f"got {self.escape_lookup!r}")
+        if self.decode not in ("swar", "prmt"):
+            raise ValueError(f"decode must be swar or prmt, got {self.decode!r}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
 

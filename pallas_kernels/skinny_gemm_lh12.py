@@ -104,6 +104,26 @@ def stripe_tiles(lo_a, lo_b, ha, hb):
     return tiles
 
 
+# PRMT builds a bf16 pair from a low-byte word and a high-byte word in one instruction: bytes
+# {L0, H0, L2, H2} (selector 0x6240) and {L1, H1, L3, H3} (0x7351), where the SWAR masks take
+# 8 instructions per pair of pairs. (One result per asm: Pallas lowers no multi-result asm.)
+def _prmt(low, high, selector: int):
+    from jax.experimental.pallas import triton as plgpu  # inline PTX: a Triton-backend op
+    return plgpu.elementwise_inline_asm(
+        f"prmt.b32 $0, $1, $2, {selector:#06x};", args=[low, high], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(low.shape, jnp.uint32)])[0]
+
+
+def stripe_tiles_prmt(lo_a, lo_b, ha, hb):
+    """`stripe_tiles` with the byte interleave in PTX prmt (GPU only): the same 8 tiles, bitwise."""
+    tiles = [None] * STRIPES
+    for half, (low, high) in enumerate(((lo_a, ha), (lo_b, hb))):
+        w02, w13 = _prmt(low, high, 0x6240), _prmt(low, high, 0x7351)
+        for i, bits in enumerate((w02 & _U32(0xFFFF), w13 & _U32(0xFFFF), w02 >> 16, w13 >> 16)):
+            tiles[4 * half + i] = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+    return tiles
+
+
 def popcount(x):
     """Set bits per uint32 in plain integer ops (Pallas' Triton lowering has no ctpop)."""
     x = x - ((x >> 1) & _U32(0x55555555))
@@ -176,7 +196,9 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
                "segment": functools.partial(patch_by_segment, masked=False),
                "masked": functools.partial(patch_by_segment, masked=True)}[cfg.escape_lookup]
         ha, hb = jax.lax.cond(esc_ref[kb, j] > 0, lambda: fix(k0, code, ha, hb), lambda: (ha, hb))
-        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), stripe_tiles(lo_a, lo_b, ha, hb), accs)
+        # interpret mode (CPU) has no inline PTX: it runs the SWAR form, bitwise the same
+        interleave = stripe_tiles_prmt if cfg.decode == "prmt" and not lw_interpret else stripe_tiles
+        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), interleave(lo_a, lo_b, ha, hb), accs)
 
     zero = jnp.zeros((ROW_CHUNK, bm), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * (STRIPES * chunks))
