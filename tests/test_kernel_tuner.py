@@ -41,7 +41,8 @@ class TableTimer:
         else:
             score = self.NUMERICS[fmt].get(cfg.numerics, 2.0)
         fast = (cfg.block_n, cfg.num_warps, cfg.num_stages) == self.SPEED[fmt]
-        return 1e-4 * score * (0.8 if fast else 1.0)
+        decode = 0.95 if (cfg.decode, cfg.escape_lookup) == ("swar", "masked") else 1.0  # LH12 only
+        return 1e-4 * score * (0.8 if fast else 1.0) * decode
 
 
 def tuner(tmp_path, time_fn, **kw):
@@ -52,7 +53,8 @@ def tuner(tmp_path, time_fn, **kw):
 def test_picks_the_fastest_pair_with_shared_numerics(tmp_path):
     [res] = tuner(tmp_path, TableTimer()).run([SHAPE])
     assert res.best["bf16"] == GemmConfig(block_n=512, block_k=256, split_k=1, num_warps=8, num_stages=3)
-    assert res.best["lh12"] == GemmConfig(block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4)
+    assert res.best["lh12"] == GemmConfig(block_n=128, block_k=256, split_k=1, num_warps=4, num_stages=4,
+                                          escape_lookup="masked", decode="swar")
     assert res.best["bf16"].numerics == res.best["lh12"].numerics
     assert res.baseline == {"bf16": default_tiles(SHAPE), "lh12": default_tiles(SHAPE)}
     # every T was timed with the same config: one config per format serves decode and verify
@@ -159,8 +161,12 @@ def test_candidate_space():
     g = Geometry.of((4096, 4096), GemmConfig(block_k=bk, split_k=split))
     assert g.mp // GemmConfig().block_m * split >= MIN_PROGRAMS
     speed = speed_candidates((64, 1))
-    assert len(speed) == len(BLOCK_N) * len(NUM_WARPS) * len(NUM_STAGES)
+    assert len(speed) == len(set(speed)) == len(BLOCK_N) * len(NUM_WARPS) * len(NUM_STAGES)
     assert {c.numerics for c in speed} == {(64, 1)}
+    lh12 = speed_candidates((64, 2), "lh12")  # decode options too; numerics fixed
+    assert len(lh12) == len(set(lh12)) and {c.numerics for c in lh12} == {(64, 2)}
+    assert {(c.decode, c.escape_lookup) for c in lh12} == {(d, e) for d in ("prmt", "swar")
+                                                           for e in ("masked", "superword")}
 
 
 def test_shapes_of_a_model_and_from_text():

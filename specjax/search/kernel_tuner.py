@@ -48,6 +48,8 @@ BLOCK_N = (128, 256, 512)
 BLOCK_K = (64, 128, 32, 256)  # likeliest first: the default's 64
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
+LH12_DECODES = ("prmt", "swar")
+LH12_LOOKUPS = ("masked", "superword")
 MIN_PROGRAMS = 2 * 132
 MAX_K_PADDING = 1.125
 SPEED_NUMERICS = 2  # numerics whose speed settings get the full sweep
@@ -111,10 +113,17 @@ def numerics_candidates(shape: Shape) -> list[tuple[int, int]]:
     return out
 
 
-def speed_candidates(numerics: tuple[int, int]) -> list[GemmConfig]:
+def speed_candidates(numerics: tuple[int, int], fmt: str = "bf16") -> list[GemmConfig]:
+    """Speed settings of one format at fixed numerics. LH12 also varies its decode options (how
+    escapes are looked up, how bytes are interleaved) and keeps 4 warps: 8 ran slower for it
+    everywhere on the H200 (docs/results/kernels_h200.md)."""
     bk, split = numerics
-    return [GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=s)
-            for bn in BLOCK_N for w in NUM_WARPS for s in NUM_STAGES]
+    if fmt == "bf16":
+        return [GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=s)
+                for bn in BLOCK_N for w in NUM_WARPS for s in NUM_STAGES]
+    return [GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=s,
+                       escape_lookup=lookup, decode=decode)
+            for decode in LH12_DECODES for lookup in LH12_LOOKUPS for bn in BLOCK_N for s in NUM_STAGES]
 
 
 def default_tiles(shape: Shape) -> GemmConfig:
@@ -266,11 +275,14 @@ class KernelTuner:
         tried = set(numerics_candidates(res.shape)) | {base["bf16"].numerics}
         ranked = sorted((p[1], n) for n in tried if (p := self._pair(res.shape, n)) is not None)
         for _, numerics in ranked[:SPEED_NUMERICS]:
-            for cfg in speed_candidates(numerics):
+            cands = {fmt: speed_candidates(numerics, fmt) for fmt in FORMATS}
+            for i in range(max(len(c) for c in cands.values())):  # the formats take turns
                 for fmt in FORMATS:
+                    if i >= len(cands[fmt]):
+                        continue
                     if self.clock() >= deadline:
                         return
-                    self._measure(res, fmt, cfg)
+                    self._measure(res, fmt, cands[fmt][i])
 
     def run(self, shapes: list[Shape]) -> list[ShapeResult]:
         start = self.clock()
