@@ -38,6 +38,9 @@ class GemmConfig:
     # gather predicated off outside escape segments ("masked")
     escape_lookup: str = "superword"
     decode: str = "swar"  # LH12 only: byte interleave in 32-bit masks ("swar") or PTX prmt ("prmt")
+    # LH12 only: join the 8 decoded stripe tiles into one [block_k, block_n] tile (columns in
+    # super-word order) and run one dot per row chunk instead of 8 narrow ones
+    one_dot: bool = False
 
     def __post_init__(self):
         bm = self.block_n // STRIPES

@@ -111,7 +111,8 @@ def _prmt(low, high, selector: int):
     from jax.experimental.pallas import triton as plgpu  # inline PTX: a Triton-backend op
     return plgpu.elementwise_inline_asm(
         f"prmt.b32 $0, $1, $2, {selector:#06x};", args=[low, high], constraints="=r,r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(low.shape, jnp.uint32)])[0]
+        # int32, not uint32: Pallas types uint32 results `ui32`, which Triton's asm op rejects
+        result_shape_dtypes=[jax.ShapeDtypeStruct(low.shape, jnp.int32)])[0].astype(jnp.uint32)
 
 
 def stripe_tiles_prmt(lo_a, lo_b, ha, hb):
@@ -122,6 +123,19 @@ def stripe_tiles_prmt(lo_a, lo_b, ha, hb):
         for i, bits in enumerate((w02 & _U32(0xFFFF), w13 & _U32(0xFFFF), w02 >> 16, w13 >> 16)):
             tiles[4 * half + i] = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
     return tiles
+
+
+def interleave_tiles(tiles):
+    """8 stripe tiles [bk, bm] -> one [bk, 8 * bm] tile whose column 8 m + i is tiles[i][:, m]
+    (super-word order), built from 2-way joins: the only concatenation Triton lowers."""
+    def join(a, b):
+        return jnp.stack([a, b], axis=-1)
+    level = list(tiles)  # round r joins (t[i], t[i + half]): the last round's bit ends innermost
+    while len(level) > 1:
+        half = len(level) // 2
+        level = [join(level[i], level[i + half]) for i in range(half)]
+    bk, bm = tiles[0].shape
+    return level[0].reshape(bk, STRIPES * bm)
 
 
 def popcount(x):
@@ -198,11 +212,20 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         ha, hb = jax.lax.cond(esc_ref[kb, j] > 0, lambda: fix(k0, code, ha, hb), lambda: (ha, hb))
         # interpret mode (CPU) has no inline PTX: it runs the SWAR form, bitwise the same
         interleave = stripe_tiles_prmt if cfg.decode == "prmt" and not lw_interpret else stripe_tiles
-        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), interleave(lo_a, lo_b, ha, hb), accs)
+        tiles = interleave(lo_a, lo_b, ha, hb)
+        if cfg.one_dot:
+            tiles = [interleave_tiles(tiles)]
+        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), tiles, accs)
 
-    zero = jnp.zeros((ROW_CHUNK, bm), jnp.float32)
-    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * (STRIPES * chunks))
-    store_accs(o_ref, accs, g, cfg, chunks)
+    width = cfg.block_n if cfg.one_dot else bm
+    zero = jnp.zeros((ROW_CHUNK, width), jnp.float32)
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * ((1 if cfg.one_dot else STRIPES) * chunks))
+    if cfg.one_dot:  # partials in super-word order: column 8 m + i is output column i * Mp + m
+        n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
+        for c in range(chunks):
+            o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
+    else:
+        store_accs(o_ref, accs, g, cfg, chunks)
 
 
 @jax.jit
@@ -224,6 +247,9 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
     )(xp, lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
+    if cfg.one_dot:  # super-word order -> stripe order, fused by XLA into the split-K sum
+        partials = partials.reshape(cfg.split_k, xp.shape[0], g.mp, STRIPES).transpose(0, 1, 3, 2)
+        partials = partials.reshape(cfg.split_k, xp.shape[0], STRIPES * g.mp)
     return finish(partials, g, x.shape[0])
 
 

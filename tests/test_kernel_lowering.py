@@ -1,6 +1,7 @@
-"""The kernels lower to Triton IR for CUDA on a CPU-only machine (jax.export cross-lowering): CI
-catches a Pallas construct the GPU lowering rejects (an unsupported primitive, a multi-result
-inline asm, a strided slice) without a GPU. Compiling that IR to PTX still needs the device."""
+"""The kernels lower to Triton IR for CUDA on a CPU-only machine (jax.export cross-lowering), and
+that IR passes Triton's op verifiers: CI catches a Pallas construct the GPU path rejects (an
+unsupported primitive, a multi-result inline asm, an asm typed `ui32`) without a GPU. Compiling
+the IR to PTX, and the numerics, still need the device."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,19 @@ from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12
 from specjax.weights.lh12 import encode
 
 TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+
+
+@pytest.fixture(autouse=True)
+def verified_triton_modules(monkeypatch):
+    """Run Triton's verifier on every module Pallas builds (XLA would on the device)."""
+    from jax._src.pallas.triton import lowering
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises with the op and the source line
+        return result
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
 
 
 def lower_for_cuda(f, *args) -> str:
@@ -33,6 +47,7 @@ def weight():
     GemmConfig(),
     GemmConfig(block_n=512, escape_lookup="segment", num_stages=2),
     GemmConfig(block_n=256, escape_lookup="masked", decode="prmt", split_k=2),
+    GemmConfig(block_n=256, escape_lookup="masked", decode="prmt", one_dot=True),
 ], ids=str)
 def test_lh12_kernel_lowers_for_cuda(weight, cfg):
     p = encode(weight.view(np.uint16))
