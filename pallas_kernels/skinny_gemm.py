@@ -92,18 +92,30 @@ class Geometry:
 TARGET_PROGRAMS = 264  # two waves of the H200's 132 multiprocessors
 
 
-def default_config(shape: tuple[int, int], block_n: int = 256, block_k: int = 64) -> GemmConfig:
-    """A config from the shape alone (so bf16 and 12-bit weights of one shape share its numerics):
-    split K until about TARGET_PROGRAMS programs run, keeping >= 4 K steps per program and a split
-    that divides K (no padded copy of a large weight)."""
+# Speed settings per format (numerics excluded), from the H200 sweeps of 2026-12-03
+# (docs/results/kernels_h200.md): LH12 wins with narrow blocks, one joined dot, PTX prmt and masked
+# escape gathers; bf16 winners varied by shape within ~5% of this.
+DEFAULT_SPEED = {
+    "bf16": dict(block_n=256, num_warps=4, num_stages=3),
+    "lh12": dict(block_n=128, num_warps=4, num_stages=3, escape_lookup="masked", decode="prmt", one_dot=True),
+}
+
+
+def default_config(shape: tuple[int, int], fmt: str = "bf16", block_k: int = 64) -> GemmConfig:
+    """A config from the shape alone. The numerics (block_k, split_k) do not depend on the format,
+    so bf16 and 12-bit weights of one shape agree bit for bit: split K until about TARGET_PROGRAMS
+    programs run at 256 columns per program, keeping >= 4 K steps per program and a split that
+    divides K (no padded copy of a large weight). Speed settings: DEFAULT_SPEED[fmt]."""
+    if fmt not in DEFAULT_SPEED:
+        raise ValueError(f"unknown weight format {fmt!r} (one of {tuple(DEFAULT_SPEED)})")
     k, n = shape
     m = -(-n // STRIPES)
-    grid_n = -(-m // (block_n // STRIPES))
+    grid_n = -(-m // (256 // STRIPES))
     steps = max(1, -(-k // block_k))
     split = max(1, min(16, -(-TARGET_PROGRAMS // grid_n), steps // 4))
     while split > 1 and steps % split:
         split -= 1
-    return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return GemmConfig(block_k=block_k, split_k=split, **DEFAULT_SPEED[fmt])
 
 
 @jax.tree_util.register_dataclass

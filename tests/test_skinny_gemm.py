@@ -129,6 +129,11 @@ def test_config_checks_and_default():
     cfg = default_config((14336, 4096))
     assert (14336 // cfg.block_k) % cfg.split_k == 0 and cfg.split_k > 1  # no padded copy of K
     assert default_config((4096, 128256)).split_k == 1  # enough programs along N already
+    for shape in ((14336, 4096), (4096, 6144), (40, 300)):  # per-format speed, shared numerics
+        assert default_config(shape, "lh12").numerics == default_config(shape, "bf16").numerics
+    assert default_config((64, 64), "lh12").one_dot
+    with pytest.raises(ValueError, match="weight format"):
+        default_config((64, 64), "fp8")
     with pytest.raises(ValueError, match="weight is"):
         skinny_gemm(jnp.ones((2, 5)), prepare_bf16(jnp.ones((6, 16)), GemmConfig(), interpret=True))
 

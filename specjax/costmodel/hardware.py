@@ -140,13 +140,13 @@ def calibrate_kernels(dev: DeviceModel, shape: tuple[int, int] = KERNEL_CALIBRAT
     def total(fmt, cfg):
         return sum(time_fn(shape, fmt, cfg, t) for t in tokens)
 
-    default = default_tiles(shape)
-    t16, t12 = total("bf16", default), total("lh12", default)
+    default = {fmt: default_tiles(shape, fmt) for fmt in ("bf16", "lh12")}
+    t16, t12 = total("bf16", default["bf16"]), total("lh12", default["lh12"])
     lh12_eff = (LH12_NOMINAL_BITS / 16.0) * t16 / t12
     tuned = {fmt: tuned_config(shape, fmt, device=dev.name, store_dir=store_dir or "memory_store")
              for fmt in ("bf16", "lh12")}
     tuned_eff, what = 1.0, "no tuned tiles stored"
-    if any(c != default for c in tuned.values()):
+    if tuned != default:
         tuned_eff = (t16 + t12) / (total("bf16", tuned["bf16"]) + total("lh12", tuned["lh12"]))
         what = "tuned tiles from the tune-kernels cache"
     key = f"{shape[0]}x{shape[1]}"

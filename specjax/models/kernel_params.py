@@ -52,7 +52,7 @@ def config_for(shape: tuple[int, int], fmt: str, tiles: str, configs: Configs | 
                               f"got {cfg.numerics} and {other.numerics}")
         return cfg
     if tiles == "default":
-        return default_config(shape)
+        return default_config(shape, fmt)
     if tiles == "tuned":
         from specjax.search.kernel_tuner import tuned_config
         return tuned_config(shape, fmt)

@@ -49,6 +49,7 @@ BLOCK_K = (64, 128, 32, 256)  # likeliest first: the default's 64
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
 LH12_DECODES = ("prmt", "swar")
+LH12_BLOCK_N = (128, 256)  # 512 spilled registers on the H200 (0.6-0.8 TB/s)
 LH12_LOOKUPS = ("masked", "superword")
 MIN_PROGRAMS = 2 * 132
 MAX_K_PADDING = 1.125
@@ -122,16 +123,16 @@ def speed_candidates(numerics: tuple[int, int], fmt: str = "bf16") -> list[GemmC
         return [GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=s)
                 for bn in BLOCK_N for w in NUM_WARPS for s in NUM_STAGES]
     return [GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=s,
-                       escape_lookup=lookup, decode=decode)
-            for decode in LH12_DECODES for lookup in LH12_LOOKUPS for bn in BLOCK_N for s in NUM_STAGES]
+                       escape_lookup=lookup, decode=decode, one_dot=one)
+            for one in (True, False) for decode in LH12_DECODES for lookup in LH12_LOOKUPS
+            for bn in LH12_BLOCK_N for s in NUM_STAGES]
 
 
-def default_tiles(shape: Shape) -> GemmConfig:
-    """What runs untuned: the kernels' shape-based default where pallas_kernels has one
-    (`default_config`, the same for both formats), else `GemmConfig()`."""
-    from pallas_kernels import skinny_gemm
-    make = getattr(skinny_gemm, "default_config", None)
-    return make(tuple(shape)) if make is not None else GemmConfig()
+def default_tiles(shape: Shape, fmt: str = "bf16") -> GemmConfig:
+    """What runs untuned: the kernels' shape-based default for the format (`default_config`:
+    per-format speed settings, one numerics for both formats)."""
+    from pallas_kernels.skinny_gemm import default_config
+    return default_config(tuple(shape), fmt)
 
 
 def with_numerics(cfg: GemmConfig, numerics: tuple[int, int]) -> GemmConfig:
@@ -183,7 +184,7 @@ def write_entries(path: str | Path, device: str, entries: dict[str, dict]) -> No
 def tuned_config(shape: Shape, fmt: str, device: str | None = None,
                  store_dir: str | Path = "memory_store") -> GemmConfig:
     """The cached config of one weight shape and format on a device (default: this one), or
-    `default_tiles(shape)` when the cache has no entry: what the engine runs with
+    `default_tiles(shape, fmt)` when the cache has no entry: what the engine runs with
     kernel_tiles='tuned'."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (one of {FORMATS})")
@@ -192,7 +193,7 @@ def tuned_config(shape: Shape, fmt: str, device: str | None = None,
         device = current_device_name()
     path = cache_path(store_dir, device)
     entry = read_cache(path).get(shape_key(tuple(shape)))
-    return default_tiles(shape) if entry is None else GemmConfig(**entry[fmt])
+    return default_tiles(shape, fmt) if entry is None else GemmConfig(**entry[fmt])
 
 
 # ----------------------------------------------------------------------------- the tuner
@@ -291,7 +292,7 @@ class KernelTuner:
         results = []
         for shape in shapes:  # the baseline: what runs today, on every shape
             entry = cached.get(shape_key(shape))
-            current = {f: GemmConfig(**entry[f]) if entry else default_tiles(shape) for f in FORMATS}
+            current = {f: GemmConfig(**entry[f]) if entry else default_tiles(shape, f) for f in FORMATS}
             res = ShapeResult(shape, current, {})
             if self.clock() >= end:
                 self.progress(f"{shape_key(shape)}: budget spent before its baseline")
