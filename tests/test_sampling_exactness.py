@@ -17,6 +17,7 @@ from scipy import stats
 import specjax.decoding.chain as chain_module
 from conftest import tiny_model
 from specjax.decoding.sequences import GenerationConfig
+from specjax.drafters.block import init_block_drafter
 from specjax.drafters.model_drafter import layer_skip_drafter, small_model_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.engine import Decoder
@@ -84,6 +85,8 @@ def make(kind, cfg, params, k=3):
         return NgramDrafter(k=k)
     if kind == "layerskip":
         return layer_skip_drafter(params, cfg, 1, k)
+    if kind == "block":  # parallel drafts, each from its own q_i
+        return init_block_drafter(params, cfg, jax.random.PRNGKey(5), k + 1, 1, [0, 1], conv=True, scale=0.5)
     small_cfg, small = tiny_model(seed=99, scale=0.8, vocab_size=V, hidden_size=16,
                                   intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                   head_dim=8)
@@ -91,7 +94,7 @@ def make(kind, cfg, params, k=3):
 
 
 @pytest.mark.parametrize("sampling_name", sorted(SAMPLINGS))
-@pytest.mark.parametrize("kind", ["ar", "ngram", "layerskip", "small"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "layerskip", "small", "block"])
 def test_first_three_tokens_follow_target(target, kind, sampling_name):
     cfg, params = target
     sampling = SAMPLINGS[sampling_name]

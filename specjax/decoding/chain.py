@@ -18,7 +18,7 @@ from specjax.decoding.sequences import GenerationConfig, Sequences, commit, pref
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward, lm_logits
+from specjax.models.transformer import forward_with_taps, lm_logits
 from specjax.sampling import probabilities, top2_margin
 from specjax.verification.chain import greedy_accept, leading_true, rejection_accept
 
@@ -79,7 +79,10 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     pos = seqs.length - 1
     tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
     positions = pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    hidden, cache = forward(target, cfg, tokens, positions, cache, pos)
+    taps = getattr(drafter, "taps", ())  # block drafters condition on target hidden states
+    hidden, features, cache = forward_with_taps(target, cfg, tokens, positions, cache, pos, taps)
+    if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
+        dstate = drafter.observe(dstate, features, pos)
     logits = lm_logits(target, hidden)  # [B, k + 1, V]
     if gen.sampling.greedy:
         num_accepted, out = greedy_accept(draft, logits)
@@ -100,8 +103,13 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
 def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots):
-    cache, seqs, _ = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key)
-    dstate = drafter.init(prompt, prompt_len, num_slots)
+    taps = getattr(drafter, "taps", ())
+    out = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key, taps)
+    cache, seqs = out[0], out[1]
+    if taps:
+        dstate = drafter.init(prompt, prompt_len, num_slots, features=out[3])
+    else:
+        dstate = drafter.init(prompt, prompt_len, num_slots)
     return cache, dstate, seqs
 
 

@@ -17,7 +17,7 @@ from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, init_cache, read_rows, write_rows
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward, lm_logits
+from specjax.models.transformer import forward_with_taps, lm_logits
 from specjax.sampling import SamplingConfig, choose_token, top2_margin
 
 
@@ -94,17 +94,18 @@ def commit(seqs: Sequences, new_tokens: jax.Array, num_new: jax.Array, gen: Gene
 
 
 def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt: jax.Array,
-            prompt_len: jax.Array, num_slots: int, key: jax.Array
-            ) -> tuple[KVCache, Sequences, jax.Array]:
+            prompt_len: jax.Array, num_slots: int, key: jax.Array, taps: tuple[int, ...] = ()):
     """Run the target over the (right-padded) prompts and choose each row's first token.
 
-    Returns (cache, sequences, first-token logits [B, V]). Padding slots get K/V too; they sit past
-    `length` and are overwritten before they could be read.
+    Returns (cache, sequences, first-token logits [B, V]), and with `taps` also the tapped hidden
+    states over the prompt [B, P, len(taps) * D] (for block drafters). Padding slots get K/V too;
+    they sit past `length` and are overwritten before they could be read.
     """
     B, P = prompt.shape
     cache = init_cache(cfg, B, num_slots)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, cache = forward(params, cfg, prompt, positions, cache, jnp.zeros(B, jnp.int32))
+    hidden, features, cache = forward_with_taps(params, cfg, prompt, positions, cache,
+                                                jnp.zeros(B, jnp.int32), taps)
     last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
     logits = lm_logits(params, last)
     first = choose_token(logits, gen.sampling, key)
@@ -112,6 +113,8 @@ def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt
     seqs = Sequences(tokens=tokens, length=prompt_len, prompt_len=prompt_len,
                      done=jnp.zeros(B, bool), margins=jnp.full((B, num_slots), jnp.inf, jnp.float32))
     seqs = commit(seqs, first[:, None], jnp.ones(B, jnp.int32), gen, margins=top2_margin(logits)[:, None])
+    if taps:
+        return cache, seqs, logits, features
     return cache, seqs, logits
 
 

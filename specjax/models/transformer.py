@@ -44,9 +44,13 @@ def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
     return out.reshape(B, T, cfg.q_size).astype(q.dtype)
 
 
-def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask):
+def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None):
+    """One decoder layer. `mix(h, sublayer)` (block drafters) transforms the normed input of the
+    attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block convolution."""
     B, T, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+    if mix is not None:
+        h = mix(h, 0)
     qkv = linear(h, p.w_qkv)
     if p.b_qkv is not None:
         qkv = qkv + p.b_qkv
@@ -66,6 +70,8 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
         attn = attn + p.b_o
     x = x + attn
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+    if mix is not None:
+        h = mix(h, 1)
     gate, up = jnp.split(linear(h, p.w_gate_up), 2, axis=-1)
     x = x + linear(jax.nn.silu(gate) * up, p.w_down)
     return x, k_cache, v_cache
@@ -79,18 +85,30 @@ def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions:
     Logits are left to `lm_logits` so callers compute them only at the positions they need
     (prefill needs one row, not T).
     """
+    hidden, _, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, (), mask)
+    return hidden, cache
+
+
+def forward_with_taps(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                      cache: KVCache, start: jax.Array, taps: tuple[int, ...] = (),
+                      mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """`forward`, also returning the residual stream after each layer in `taps` (0-based), joined
+    along features: [B, T, len(taps) * D] (None without taps). Block drafters condition on them."""
     T = tokens.shape[1]
     if mask is None:
         mask = causal_slot_mask(start, T, cache.num_slots)
     x = params.embed[tokens]
     cos, sin = rope_cos_sin(cfg, positions)
-    new_k, new_v = [], []
-    for p, kc, vc in zip(params.layers, cache.k, cache.v):
+    new_k, new_v, tapped = [], [], {}
+    for i, (p, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
         x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask)
         new_k.append(kc)
         new_v.append(vc)
+        if i in taps:
+            tapped[i] = x
+    features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    return x, KVCache(k=new_k, v=new_v)
+    return x, features, KVCache(k=new_k, v=new_v)
 
 
 def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
