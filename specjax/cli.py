@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specjax.errors import ConfigError, SpecJaxError
 from specjax.prompts import humaneval_prompts, read_prompts_file
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="smollm2-135m",
                    help="registry name (smollm2-135m), HF checkpoint directory, or .gguf file")
     g.add_argument("--drafter", default="ngram",
-                   help="none | ngram | ngram:MAX_N | layerskip:K | PATH of a small model (default ngram)")
+                   help="none | ngram | ngram:MAX_N | layerskip:K | block:DIR (trained by train-drafter) | "
+                        "block:random[:LAYERS] | PATH of a small model (default ngram)")
     g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help=".jsonl (strings or {\"prompt\": ...}) or text, one per line")
@@ -125,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("out", help="output file, ending in .w12 (load it anywhere a model is taken)")
     k.set_defaults(func=cmd_pack)
 
+    d = sub.add_parser("train-drafter", help="train a block drafter for a target by self-distillation")
+    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--out", required=True, help="checkpoint directory (resumes when it holds one)")
+    d.add_argument("--block-size", type=int, default=8, help="1 pending token + block-size - 1 drafts")
+    d.add_argument("--layers", type=int, default=1)
+    d.add_argument("--taps", help="target layers to condition on, e.g. 1,14,28 (default: 3 spread)")
+    d.add_argument("--conv", action="store_true", help="two-tap in-block convolution (DFlash2-style)")
+    d.add_argument("--steps", type=int, default=1000)
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--anchors", type=int, default=8)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--prompts", type=int, default=256, help="training prompts (half HumanEval, half ShareGPT)")
+    d.add_argument("--held-out", type=int, default=8, help="held-out prompts per source, for τ")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_train_drafter)
     t = sub.add_parser("tune-kernels", help="tune the skinny GEMM tiles for a model's shapes on this GPU")
     what = t.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="registry name (smollm2-135m), HF checkpoint directory, .gguf or .w12 "
@@ -143,6 +162,61 @@ def build_parser() -> argparse.ArgumentParser:
     from specjax.memory.cli import add_memory_parser
     add_memory_parser(sub)
     return parser
+
+
+def cmd_train_drafter(args) -> int:
+    import jax
+    from rich.progress import Progress
+
+    from specjax.atomic import write_json_atomic
+    from specjax.decoding.sequences import GenerationConfig
+    from specjax.drafters.block import init_block_drafter
+    from specjax.drafters.block_train import TrainConfig, distill, train
+    from specjax.engine import Decoder
+    from specjax.models.loading import load_model
+    from specjax.prompts import sharegpt_prompts
+
+    for name in ("block_size", "layers", "steps", "batch", "anchors", "prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    target = load_model(args.model, dtype=args.dtype)
+    tok = target.tokenizer
+    if tok is None:
+        raise ConfigError(f"model {args.model!r} has no tokenizer")
+    half, held = args.prompts // 2, args.held_out
+    code = humaneval_prompts(min(164, held + half))
+    chat = sharegpt_prompts(held + args.prompts - half)
+    held_out = {"humaneval": code[:held], "sharegpt": chat[:held]}
+    train_texts = code[held:] + chat[held:]
+    try:
+        taps = None if args.taps is None else [int(t) for t in args.taps.split(",")]
+    except ValueError:
+        raise ConfigError(f"--taps must be comma-separated integers, got {args.taps!r}") from None
+    drafter = init_block_drafter(target.params, target.cfg, jax.random.PRNGKey(args.seed), args.block_size,
+                                 args.layers, taps, args.conv)
+    print(f"[data] {len(train_texts)} prompts -> the target's own continuations "
+          f"(<= {args.max_new_tokens} tokens, half greedy, half sampled)")
+    corpus = distill(target.params, target.cfg, [tok.encode(t) for t in train_texts], args.max_new_tokens,
+                     seed=args.seed, stop_tokens=tok.eos_ids)
+    tcfg = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, learning_rate=args.lr,
+                       seed=args.seed)
+    with Progress() as bar:
+        task = bar.add_task("training", total=args.steps)
+        trained, _ = train(drafter, target.params, target.cfg, corpus, tcfg, args.out,
+                           meta={"model": args.model},
+                           progress=lambda step, loss: bar.update(task, completed=step,
+                                                                  description=f"loss {loss:.3f}"))
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_tokens=tok.eos_ids)
+    decoder = Decoder(target.cfg, target.params, gen, trained)
+    taus = {}
+    for name, texts in held_out.items():
+        if texts:
+            res = [decoder.generate([tok.encode(t)]) for t in texts]
+            taus[name] = sum(r.tau for r in res) / len(res)
+            print(f"[held-out] {name}: τ = {taus[name]:.2f} (greedy, block {args.block_size})")
+    write_json_atomic(Path(args.out) / "held_out.json", {"tau": taus, "block_size": args.block_size,
+                                                         "steps": args.steps, "model": args.model})
+    return 0
 
 
 def cmd_tune_kernels(args) -> int:

@@ -87,10 +87,14 @@ class BlockDrafter:
 
     def block_logits(self, cache: KVCache, seqs: Sequences) -> jax.Array:
         """float32 logits [B, k, V] of the k positions after the pending token, in one forward."""
+        return self.forward_block(cache, seqs.pending(), seqs.length - 1)
+
+    def forward_block(self, cache: KVCache, pending, start) -> jax.Array:
+        """pending [n] tokens at slots/positions start [n], context at slots < start -> [n, k, V].
+        Training calls it with many anchors per sequence (cache rows repeated per anchor)."""
         cfg, bsz = self.cfg, self.block_size
-        start = seqs.length - 1  # the pending token's slot and position
         batch = start.shape[0]
-        first = self.embed[seqs.pending()][:, None, :]
+        first = self.embed[pending][:, None, :]
         masks = jnp.broadcast_to(self.params.mask_embed.astype(first.dtype), (batch, bsz - 1, first.shape[-1]))
         x = jnp.concatenate([first, masks], axis=1)
         positions = start[:, None] + jnp.arange(bsz, dtype=jnp.int32)[None, :]

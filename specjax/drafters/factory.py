@@ -7,7 +7,9 @@ from specjax.drafters.model_drafter import layer_skip_drafter, small_model_draft
 from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import ConfigError
 
-SUPPORTED = ("ngram", "ngram:MAX_N", "layerskip:K", "PATH (small AR model, same vocabulary)")
+SUPPORTED = ("ngram", "ngram:MAX_N", "layerskip:K", "block:DIR (trained block drafter)",
+             "block:random[:LAYERS] (untrained block drafter, block size k + 1)",
+             "PATH (small AR model, same vocabulary)")
 
 
 def _int_after(spec: str, what: str) -> int:
@@ -25,6 +27,19 @@ def make_drafter(spec: str, target, k: int, dtype: str | None = None):
         return NgramDrafter(k=k)
     if spec.startswith("ngram:"):
         return NgramDrafter(k=k, max_n=_int_after(spec, "MAX_N"))
+    if spec.startswith("block:random"):
+        import jax
+
+        from specjax.drafters.block import init_block_drafter
+        layers = _int_after(spec[len("block:"):], "LAYERS") if spec.count(":") == 2 else 1
+        return init_block_drafter(target.params, target.cfg, jax.random.PRNGKey(0), k + 1, layers)
+    if spec.startswith("block:"):
+        from specjax.drafters.block_train import load_block_drafter
+        drafter = load_block_drafter(spec[len("block:"):], target.params, target.cfg)
+        if drafter.k != k:
+            raise ConfigError(f"drafter {spec}: trained with block size {drafter.block_size}, "
+                              f"so --k must be {drafter.k}, got {k}")
+        return drafter
     if spec.startswith("layerskip:"):
         return layer_skip_drafter(target.params, target.cfg, _int_after(spec, "K"), k)
     from specjax.models.loading import load_model  # a path or registry name
