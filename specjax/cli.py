@@ -171,7 +171,7 @@ def cmd_train_drafter(args) -> int:
     from specjax.atomic import write_json_atomic
     from specjax.decoding.sequences import GenerationConfig
     from specjax.drafters.block import init_block_drafter
-    from specjax.drafters.block_train import TrainConfig, distill, train
+    from specjax.drafters.block_train import TrainConfig, distill, export_block_drafter, train
     from specjax.engine import Decoder
     from specjax.models.loading import load_model
     from specjax.prompts import sharegpt_prompts
@@ -216,6 +216,9 @@ def cmd_train_drafter(args) -> int:
             print(f"[held-out] {name}: τ = {taus[name]:.2f} (greedy, block {args.block_size})")
     write_json_atomic(Path(args.out) / "held_out.json", {"tau": taus, "block_size": args.block_size,
                                                          "steps": args.steps, "model": args.model})
+    size = export_block_drafter(trained, Path(args.out) / "drafter.safetensors", target.cfg)
+    print(f"[export] {Path(args.out) / 'drafter.safetensors'}: {size / 1e6:.1f} MB (bf16 weights, "
+          f"use with --drafter block:PATH --k {args.block_size - 1})")
     return 0
 
 

@@ -95,6 +95,11 @@ def test_cli_trains_smollm2_drafter_and_generate_uses_it(tmp_path, capsys):
     assert main(["generate", "--drafter", f"block:{out}", "--k", "3", "--humaneval", "1",
                  "--max-new-tokens", "12", "--compare-ar"]) == 0
     assert "tokens identical to AR" in capsys.readouterr().out
+    exported = out / "drafter.safetensors"
+    assert exported.is_file() and exported.stat().st_size < 20e6
+    assert main(["generate", "--drafter", f"block:{exported}", "--k", "3", "--humaneval", "1",
+                 "--max-new-tokens", "12", "--compare-ar"]) == 0
+    assert "tokens identical to AR" in capsys.readouterr().out
     assert main(["generate", "--drafter", f"block:{out}", "--k", "5", "--prompt", "hi",
                  "--max-new-tokens", "2"]) == 2
     assert "--k must be 3" in capsys.readouterr().err
@@ -103,3 +108,27 @@ def test_cli_trains_smollm2_drafter_and_generate_uses_it(tmp_path, capsys):
         load_block_drafter(out, params, cfg)
     with pytest.raises(ConfigError, match="no block-drafter checkpoint"):
         load_block_drafter(tmp_path / "empty", params, cfg)
+
+
+def test_export_round_trip_and_damage(setup, tmp_path):
+    import jax.numpy as jnp
+
+    from specjax.drafters.block_train import export_block_drafter, load_block_drafter
+    cfg, params, _, drafter = setup
+    path = tmp_path / "d.safetensors"
+    export_block_drafter(drafter, path, cfg)
+    back = load_block_drafter(path, params, cfg)
+    assert (back.taps, back.block_size, back.k) == (drafter.taps, drafter.block_size, drafter.k)
+    for a, b in zip(leaves(drafter.params), leaves(back.params)):  # bf16-rounded copies
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32),
+                                      np.asarray(b, np.float32))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="checksum"):
+        load_block_drafter(path, params, cfg)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptFileError):
+        load_block_drafter(path, params, cfg)
+    with pytest.raises(ConfigError, match="not found"):
+        load_block_drafter(tmp_path / "missing.safetensors", params, cfg)

@@ -229,21 +229,91 @@ def train(drafter: BlockDrafter, target: ModelParams, cfg: ModelConfig, corpus: 
     return dataclasses.replace(drafter, params=params), losses
 
 
-def load_block_drafter(directory: str | Path, target: ModelParams, target_cfg: ModelConfig) -> BlockDrafter:
-    """The latest checkpoint of a `train-drafter` run, attached to `target` (checked against it)."""
+def _param_names(params: BlockParams) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def export_block_drafter(drafter: BlockDrafter, path: str | Path, target_cfg: ModelConfig,
+                         dtype: str = "bfloat16") -> int:
+    """The drafter's own weights (no optimizer state, no shared target arrays) as one safetensors
+    file with its settings and a sha256 of the tensors in the metadata, written atomically.
+    bf16 halves it (a drafter's precision moves acceptance only, never the output). -> bytes."""
+    import json
+
+    from safetensors.numpy import save
+
+    from specjax.atomic import write_bytes_atomic
+    def stored(a):  # safetensors.numpy has no bf16: its bit patterns are stored as uint16
+        if dtype == "bfloat16":
+            return np.asarray(jnp.asarray(a, jnp.bfloat16)).view(np.uint16)
+        return np.asarray(a, dtype)
+
+    names = _param_names(drafter.params)
+    arrays = {n: stored(a) for n, a in zip(names, jax.tree.leaves(drafter.params))}
+    meta = {"taps": list(drafter.taps), "block_size": drafter.block_size, "layers": len(drafter.params.layers),
+            "conv": drafter.params.conv is not None, "intermediate_size": drafter.cfg.intermediate_size,
+            "dtype": dtype, "target": {"hidden_size": target_cfg.hidden_size, "num_layers": target_cfg.num_layers,
+                                       "vocab_size": target_cfg.vocab_size}}
+    digest = tree_digest([arrays[n] for n in names])
+    data = save(arrays, metadata={"specjax_block_drafter": json.dumps(meta), "sha256": digest})
+    write_bytes_atomic(path, data)
+    return len(data)
+
+
+def _load_exported(path: Path, target: ModelParams, target_cfg: ModelConfig) -> BlockDrafter:
+    import json
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
     from specjax.drafters.block import attach, init_block_drafter
-    ckpt = Checkpoints(directory)
-    step = ckpt.latest()
-    if step is None:
-        raise ConfigError(f"{directory}: no block-drafter checkpoint (run `specjax train-drafter`)")
-    meta = read_json_checked(ckpt.dir / f"manifest-{step}.json")["meta"]
+    try:
+        with safe_open(str(path), "np") as f:
+            header = f.metadata() or {}
+        arrays = load_file(str(path))
+        meta = json.loads(header["specjax_block_drafter"])
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type is not an OSError/ValueError
+        raise CorruptFileError(f"{path}: not a readable block-drafter file ({type(e).__name__})") from None
+    _check_target(path, meta, target_cfg)
+    skeleton = init_block_drafter(target, target_cfg, jax.random.PRNGKey(0), meta["block_size"], meta["layers"],
+                                  meta["taps"], meta["conv"], intermediate_size=meta.get("intermediate_size"))
+    names = _param_names(skeleton.params)
+    if sorted(names) != sorted(arrays) or tree_digest([arrays[n] for n in names]) != header.get("sha256"):
+        raise CorruptFileError(f"{path}: checksum or tensor names do not match its header (damaged file)")
+    leaves = []
+    for n, like in zip(names, jax.tree.leaves(skeleton.params)):
+        a = arrays[n]
+        if meta["dtype"] == "bfloat16":
+            a = jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16)
+        leaves.append(jnp.asarray(a).astype(like.dtype))
+    params = jax.tree.unflatten(jax.tree.structure(skeleton.params), leaves)
+    return attach(params, target, target_cfg, meta["taps"], meta["block_size"], name=str(path))
+
+
+def _check_target(where, meta: dict, target_cfg: ModelConfig) -> None:
     want = meta.get("target", {})
     have = {"hidden_size": target_cfg.hidden_size, "num_layers": target_cfg.num_layers,
             "vocab_size": target_cfg.vocab_size}
     wrong = {k: (v, have[k]) for k, v in want.items() if k in have and have[k] != v}
     if wrong:
-        raise ConfigError(f"{directory}: drafter trained for another target: "
+        raise ConfigError(f"{where}: drafter trained for another target: "
                           + ", ".join(f"{k} {a} (this target: {b})" for k, (a, b) in wrong.items()))
+
+
+def load_block_drafter(directory: str | Path, target: ModelParams, target_cfg: ModelConfig) -> BlockDrafter:
+    """A trained block drafter attached to `target` (checked against it): an exported
+    `.safetensors` file, or the latest checkpoint of a `train-drafter` run directory."""
+    from specjax.drafters.block import attach, init_block_drafter
+    if Path(directory).suffix == ".safetensors":
+        if not Path(directory).is_file():
+            raise ConfigError(f"{directory}: block-drafter file not found")
+        return _load_exported(Path(directory), target, target_cfg)
+    ckpt = Checkpoints(directory)
+    step = ckpt.latest()
+    if step is None:
+        raise ConfigError(f"{directory}: no block-drafter checkpoint (run `specjax train-drafter`)")
+    meta = read_json_checked(ckpt.dir / f"manifest-{step}.json")["meta"]
+    _check_target(directory, meta, target_cfg)
     skeleton = init_block_drafter(target, target_cfg, jax.random.PRNGKey(0), meta["block_size"],
                                   meta["layers"], meta["taps"], meta["conv"],
                                   intermediate_size=meta.get("intermediate_size"))
