@@ -178,6 +178,14 @@ def chunked_dots(xs, tiles, accs):
     return tuple(out)
 
 
+def store_wide(o_ref, accs, cfg: GemmConfig, chunks: int):
+    """Chunk accumulators [16, block_n] -> columns [j * block_n, (j + 1) * block_n) of partial s."""
+    j, s = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
+    for c in range(chunks):
+        o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
+
+
 def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, chunks: int):
     j, s = pl.program_id(0), pl.program_id(1)
     for i in range(STRIPES):
@@ -208,8 +216,7 @@ def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, chunks: i
 
     zero = jnp.zeros((ROW_CHUNK, cfg.block_n), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * chunks)
-    for c in range(chunks):
-        o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
+    store_wide(o_ref, accs, cfg, chunks)
 
 
 @jax.jit

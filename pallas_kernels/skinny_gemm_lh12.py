@@ -24,7 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, chunked_dots,
-                                        compiler_params, finish, pad_rows, store_accs, x_chunks)
+                                        compiler_params, finish, pad_rows, store_accs, store_wide,
+                                        x_chunks)
 from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax
 
 _U32 = np.uint32
@@ -155,7 +156,7 @@ def escaped_high_bytes(esc, ovw, code, ha, hb):
 
 def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, o_ref, *,
                  g: Geometry, cfg: GemmConfig, base: int, segs: int, chunks: int,
-                 lw_interpret: bool):
+                 interpret: bool):
     j, s = pl.program_id(0), pl.program_id(1)
     bk, bm = cfg.block_k, cfg.block_m
     m0 = pl.multiple_of(j * bm, bm)
@@ -211,7 +212,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
                "masked": functools.partial(patch_by_segment, masked=True)}[cfg.escape_lookup]
         ha, hb = jax.lax.cond(esc_ref[kb, j] > 0, lambda: fix(k0, code, ha, hb), lambda: (ha, hb))
         # interpret mode (CPU) has no inline PTX: it runs the SWAR form, bitwise the same
-        interleave = stripe_tiles_prmt if cfg.decode == "prmt" and not lw_interpret else stripe_tiles
+        interleave = stripe_tiles_prmt if cfg.decode == "prmt" and not interpret else stripe_tiles
         tiles = interleave(lo_a, lo_b, ha, hb)
         if cfg.one_dot:
             tiles = [interleave_tiles(tiles)]
@@ -221,9 +222,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
     zero = jnp.zeros((ROW_CHUNK, width), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * ((1 if cfg.one_dot else STRIPES) * chunks))
     if cfg.one_dot:  # partials in super-word order: column 8 m + i is output column i * Mp + m
-        n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
-        for c in range(chunks):
-            o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
+        store_wide(o_ref, accs, cfg, chunks)
     else:
         store_accs(o_ref, accs, g, cfg, chunks)
 
@@ -238,7 +237,7 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     xp = pad_rows(x, g)
     chunks = xp.shape[0] // ROW_CHUNK
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
-                               chunks=chunks, lw_interpret=lw.interpret)
+                               chunks=chunks, interpret=lw.interpret)
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),

@@ -25,6 +25,25 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def draw_model_config(draw) -> ModelConfig:
+    """A random small dense config (hypothesis `draw`): GQA, RoPE scaling, tied head, qk-norm and
+    bias variants, for the exactness tests of every drafter."""
+    from hypothesis import strategies as st
+
+    from specjax.models.config import RopeScaling
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2]))
+    scaling = draw(st.sampled_from([None, RopeScaling("linear", 2.0),
+                                    RopeScaling("llama3", 4.0, 1.0, 4.0, 16)]))
+    return ModelConfig(
+        vocab_size=draw(st.integers(8, 96)), hidden_size=draw(st.sampled_from([16, 32])),
+        intermediate_size=draw(st.sampled_from([24, 64])), num_layers=draw(st.integers(1, 3)),
+        num_heads=heads, num_kv_heads=kv, head_dim=draw(st.sampled_from([4, 8, 12])),
+        rope_theta=draw(st.sampled_from([100.0, 10000.0])), rope_scaling=scaling,
+        tie_word_embeddings=draw(st.booleans()), qk_norm=draw(st.booleans()),
+        attention_bias=draw(st.booleans()), max_position_embeddings=256)
+
+
 def tiny_model(seed: int = 0, scale: float = 0.5, **overrides):
     cfg = tiny_config(**overrides)
     return cfg, init_random_params(cfg, jax.random.PRNGKey(seed), scale=scale)

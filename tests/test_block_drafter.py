@@ -13,13 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import humaneval_prompts, tiny_model
+from conftest import draw_model_config, humaneval_prompts, tiny_model
 from specjax.decoding.sequences import GenerationConfig
 from specjax.drafters.block import attach, default_taps, init_block_drafter
 from specjax.engine import Decoder
 from specjax.errors import ConfigError
 from specjax.forcing import check_token_forcing
-from specjax.models.config import ModelConfig
 from specjax.models.params import init_random_params
 
 TOL = 1e-3
@@ -38,13 +37,7 @@ def assert_chain_equals_ar(cfg, params, drafter, prompts, gen):
 
 @st.composite
 def random_case(draw):
-    kv = draw(st.sampled_from([1, 2]))
-    cfg = ModelConfig(
-        vocab_size=draw(st.integers(8, 80)), hidden_size=draw(st.sampled_from([16, 32])),
-        intermediate_size=draw(st.sampled_from([24, 48])), num_layers=draw(st.integers(1, 4)),
-        num_heads=kv * draw(st.sampled_from([1, 2])), num_kv_heads=kv, head_dim=draw(st.sampled_from([4, 8])),
-        rope_theta=draw(st.sampled_from([100.0, 10000.0])), tie_word_embeddings=draw(st.booleans()),
-        qk_norm=draw(st.booleans()), attention_bias=draw(st.booleans()), max_position_embeddings=256)
+    cfg = draw_model_config(draw)
     taps = draw(st.lists(st.integers(0, cfg.num_layers - 1), min_size=1, max_size=3, unique=True))
     batch = draw(st.integers(1, 3))
     prompts = [draw(st.lists(st.integers(0, cfg.vocab_size - 1), min_size=1, max_size=30))

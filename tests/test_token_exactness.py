@@ -13,14 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import humaneval_prompts, tiny_model
+from conftest import draw_model_config, humaneval_prompts, tiny_model
 from specjax.decoding.sequences import GenerationConfig
 from specjax.drafters.factory import make_drafter
 from specjax.drafters.model_drafter import layer_skip_drafter, small_model_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.engine import Decoder
 from specjax.forcing import check_token_forcing
-from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.params import init_random_params
 
 TOL = 1e-3  # near-tie margin, in logits
@@ -97,17 +96,7 @@ def test_smollm2_humaneval_chain_equals_ar(smollm2_case, small_drafter_dir, draf
 
 @st.composite
 def random_case(draw):
-    kv = draw(st.sampled_from([1, 2, 4]))
-    heads = kv * draw(st.sampled_from([1, 2]))
-    scaling = draw(st.sampled_from([None, RopeScaling("linear", 2.0),
-                                    RopeScaling("llama3", 4.0, 1.0, 4.0, 16)]))
-    cfg = ModelConfig(
-        vocab_size=draw(st.integers(8, 96)), hidden_size=draw(st.sampled_from([16, 32])),
-        intermediate_size=draw(st.sampled_from([24, 64])), num_layers=draw(st.integers(1, 3)),
-        num_heads=heads, num_kv_heads=kv, head_dim=draw(st.sampled_from([4, 8, 12])),
-        rope_theta=draw(st.sampled_from([100.0, 10000.0])), rope_scaling=scaling,
-        tie_word_embeddings=draw(st.booleans()), qk_norm=draw(st.booleans()),
-        attention_bias=draw(st.booleans()), max_position_embeddings=256)
+    cfg = draw_model_config(draw)
     batch = draw(st.integers(1, 3))
     alphabet = draw(st.integers(2, cfg.vocab_size))  # small alphabets repeat, so n-grams match
     prompts = [draw(st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=40)) for _ in range(batch)]

@@ -31,7 +31,7 @@ def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
 def ar_prefill(params, cfg, gen, prompt, prompt_len, key, num_slots):
-    cache, seqs, _ = prefill(params, cfg, gen, prompt, prompt_len, num_slots, key)
+    cache, seqs, _, _ = prefill(params, cfg, gen, prompt, prompt_len, num_slots, key)
     return cache, seqs
 
 

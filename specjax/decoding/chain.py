@@ -104,12 +104,10 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
 def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots):
     taps = getattr(drafter, "taps", ())
-    out = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key, taps)
-    cache, seqs = out[0], out[1]
-    if taps:
-        dstate = drafter.init(prompt, prompt_len, num_slots, features=out[3])
-    else:
-        dstate = drafter.init(prompt, prompt_len, num_slots)
+    cache, seqs, _, features = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key, taps)
+    # drafters without taps keep the plain init(prompt, prompt_len, num_slots) protocol
+    extra = {"features": features} if taps else {}
+    dstate = drafter.init(prompt, prompt_len, num_slots, **extra)
     return cache, dstate, seqs
 
 

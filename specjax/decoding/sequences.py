@@ -94,11 +94,12 @@ def commit(seqs: Sequences, new_tokens: jax.Array, num_new: jax.Array, gen: Gene
 
 
 def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt: jax.Array,
-            prompt_len: jax.Array, num_slots: int, key: jax.Array, taps: tuple[int, ...] = ()):
+            prompt_len: jax.Array, num_slots: int, key: jax.Array, taps: tuple[int, ...] = ()
+            ) -> tuple[KVCache, Sequences, jax.Array, jax.Array | None]:
     """Run the target over the (right-padded) prompts and choose each row's first token.
 
-    Returns (cache, sequences, first-token logits [B, V]), and with `taps` also the tapped hidden
-    states over the prompt [B, P, len(taps) * D] (for block drafters). Padding slots get K/V too;
+    Returns (cache, sequences, first-token logits [B, V], tapped hidden states over the prompt
+    [B, P, len(taps) * D] for block drafters, None without `taps`). Padding slots get K/V too;
     they sit past `length` and are overwritten before they could be read.
     """
     B, P = prompt.shape
@@ -113,9 +114,7 @@ def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt
     seqs = Sequences(tokens=tokens, length=prompt_len, prompt_len=prompt_len,
                      done=jnp.zeros(B, bool), margins=jnp.full((B, num_slots), jnp.inf, jnp.float32))
     seqs = commit(seqs, first[:, None], jnp.ones(B, jnp.int32), gen, margins=top2_margin(logits)[:, None])
-    if taps:
-        return cache, seqs, logits, features
-    return cache, seqs, logits
+    return cache, seqs, logits, features
 
 
 __all__ = ["GenerationConfig", "Sequences", "prefill", "commit", "num_slots_for", "prompt_bucket",

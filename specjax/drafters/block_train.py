@@ -28,7 +28,7 @@ from specjax.drafters.block import BlockDrafter, BlockParams
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, init_cache
-from specjax.models.params import ModelParams
+from specjax.models.params import ModelParams, truncate_layers
 from specjax.models.transformer import forward_with_taps
 
 
@@ -52,7 +52,7 @@ class Corpus:
     lengths: np.ndarray
     prompt_lens: np.ndarray
 
-    def check(self, block_size: int) -> None:
+    def check(self) -> None:
         short = int(np.sum(self.lengths - self.prompt_lens < 2))
         if len(self.lengths) == 0 or short == len(self.lengths):
             raise ConfigError(f"training data: no sequence has >= 2 continuation tokens "
@@ -74,12 +74,12 @@ def distill(target: ModelParams, cfg: ModelConfig, prompts: list[list[int]], max
             gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_tokens=tuple(stop_tokens))
             res = Decoder(cfg, target, gen).generate(part, seed=seed)
             outs += [p + list(t) for p, t in zip(part, res.tokens)]
-    plens = np.array([len(p) for p in prompts[:n_greedy]] + [len(p) for p in prompts[n_greedy:]])
+    plens = np.array([len(p) for p in prompts], np.int32)  # outs keep the prompts' order
     S = max(len(o) for o in outs)
     tokens = np.zeros((len(outs), S), np.int32)
     for i, o in enumerate(outs):
         tokens[i, :len(o)] = o
-    return Corpus(tokens, np.array([len(o) for o in outs], np.int32), plens.astype(np.int32))
+    return Corpus(tokens, np.array([len(o) for o in outs], np.int32), plens)
 
 
 def position_weights(block_size: int, decay: float) -> jax.Array:
@@ -93,7 +93,9 @@ def block_loss(params: BlockParams, drafter: BlockDrafter, target: ModelParams, 
     b, S = tokens.shape
     bsz = drafter.block_size
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (b, S))
-    _, feats, _ = forward_with_taps(target, cfg, tokens, positions, init_cache(cfg, b, S),
+    depth = max(drafter.taps) + 1  # layers past the deepest tap do not feed the drafter
+    shallow, shallow_cfg = truncate_layers(target, depth), cfg.with_layers(depth)
+    _, feats, _ = forward_with_taps(shallow, shallow_cfg, tokens, positions, init_cache(shallow_cfg, b, S),
                                     jnp.zeros(b, jnp.int32), drafter.taps)
     feats = jax.lax.stop_gradient(feats)
     d = dataclasses.replace(drafter, params=params)
@@ -200,7 +202,7 @@ def train(drafter: BlockDrafter, target: ModelParams, cfg: ModelConfig, corpus: 
     """Train (or resume) to tcfg.steps; `stop_after` ends early after that step (tests use it to
     simulate a kill). progress(step, loss) is called every step. Returns the drafter and losses
     of the steps run in this call."""
-    corpus.check(drafter.block_size)
+    corpus.check()
     opt, step_fn = make_step(drafter, target, cfg, tcfg)
     ckpt = Checkpoints(checkpoint_dir)
     state = {"params": drafter.params, "opt_state": opt.init(drafter.params)}
