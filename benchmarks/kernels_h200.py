@@ -100,8 +100,96 @@ def read_bandwidth() -> dict:
             out[f"pallas_read_block{rb}_w{nw}_TBps"] = nbytes / timed(f, x) / 1e12
         except Exception as e:  # noqa: BLE001
             out[f"pallas_read_block{rb}_w{nw}_error"] = repr(e)[:300]
+    out.update(rows_gemv_probes())
     out["read_TBps"] = max(v for k, v in out.items() if k.endswith("_TBps"))
     log("read bandwidth", {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()})
+    return out
+
+
+def rows_gemv_probes() -> dict:
+    """The read-only kernel that streamed fastest on 2026-12-02 (shared/device/gemv_probe3.py): a
+    GEMV over W [N, K] rows, bn rows per program, elementwise products summed along K, no tensor
+    cores; one weight of 470 MB (8x L2), so every call streams it from HBM."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    out = {}
+    for n, k in [(28672, 8192), (8192, 28672)]:
+        w = jax.random.normal(jax.random.PRNGKey(1), (n, k), jnp.bfloat16)
+        x = jax.random.normal(jax.random.PRNGKey(2), (1, k), jnp.bfloat16)
+        for bn, bk, nw, ns in [(4, 4096, 8, 2), (8, 2048, 8, 2), (8, 4096, 8, 1), (2, 4096, 4, 2),
+                               (4, 4096, 8, 3), (16, 1024, 8, 3)]:
+            def rows(x_ref, w_ref, o_ref, bk=bk, bn=bn):
+                def body(i, acc):
+                    xs = x_ref[0, pl.ds(i * bk, bk)].astype(jnp.float32)
+                    return acc + jnp.sum(w_ref[:, pl.ds(i * bk, bk)].astype(jnp.float32) * xs[None, :], axis=1)
+                o_ref[0, :] = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((bn,), jnp.float32))
+            call = pl.pallas_call(
+                rows, out_shape=jax.ShapeDtypeStruct((1, n), jnp.float32), grid=(n // bn,),
+                in_specs=[pl.BlockSpec((1, k), lambda j: (0, 0)), pl.BlockSpec((bn, k), lambda j: (j, 0))],
+                out_specs=pl.BlockSpec((1, bn), lambda j: (0, j)),
+                compiler_params=plgpu.CompilerParams(num_warps=nw, num_stages=ns))
+            name = f"pallas_rows_gemv_{n}x{k}_bn{bn}_bk{bk}_w{nw}_s{ns}"
+            try:
+                out[name + "_TBps"] = w.size * 2 / (timed(looped(lambda x, w, call=call: call(x, w), 20),
+                                                          x, [w]) / 20) / 1e12
+            except Exception as e:  # noqa: BLE001
+                out[name + "_error"] = repr(e)[:300]
+    return out
+
+
+# --------------------------------------------------------------------------- attention
+
+ATTN_CONFIGS = [dict(block_s=64, split_s=256), dict(block_s=64, split_s=128), dict(block_s=32, split_s=128),
+                dict(block_s=128, split_s=256), dict(block_s=64, split_s=256, num_warps=8),
+                dict(block_s=64, split_s=512)]
+
+
+def attention_part() -> dict:
+    """One layer's attention at the 8B shape (32 query heads, 8 KV heads, head_dim 128, 1k context):
+    XLA (the model's einsum + softmax) vs the Pallas kernel per config; error against the
+    reference and T-invariance (row 0 of T = 16 equals T = 1) checked first."""
+    from pallas_kernels.decode_attention import (AttentionConfig, decode_attention,
+                                                 decode_attention_reference)
+    from specjax.models.config import ModelConfig
+    from specjax.models.transformer import _attention, causal_slot_mask
+    cfg = ModelConfig(**LLAMA3_8B)
+    B, S, reps = 1, CONTEXT + 64, 32
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    kc = jax.random.normal(keys[0], (B, S, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    vc = jax.random.normal(keys[1], (B, S, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    start = jnp.array([CONTEXT], jnp.int32)
+    out = {"shape": dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, slots=S)}
+
+    def loop(attn, t):
+        mask = causal_slot_mask(start, t, S)
+
+        def run(q, kc, vc):
+            def body(_, q):
+                y = attn(q, kc, vc, mask).reshape(q.shape)
+                return q + (y * 0.0).astype(q.dtype)
+            return jax.lax.fori_loop(0, reps, body, q)
+        return jax.jit(run)
+
+    for t in STEP_TOKENS:
+        q = jax.random.normal(keys[2], (B, t, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+        row = {"xla_us": timed(loop(lambda q, k, v, m: _attention(cfg, q, k, v, m), t), q, kc, vc) / reps * 1e6}
+        mask = causal_slot_mask(start, t, S)
+        ref = decode_attention_reference(q, kc, vc, mask).astype(jnp.float32)
+        for d in ATTN_CONFIGS:
+            c = AttentionConfig(**d)
+            name = f"bs{c.block_s}_sp{c.split_s}_w{c.num_warps}"
+            try:
+                y = decode_attention(q, kc, vc, mask, start + t, c, INTERPRET).astype(jnp.float32)
+                row[name + "_maxerr"] = float(jnp.max(jnp.abs(y - ref)))
+                if t > 1:
+                    y1 = decode_attention(q[:, :1], kc, vc, causal_slot_mask(start, 1, S), start + 1, c, INTERPRET)
+                    row[name + "_row0_equals_T1"] = bool(jnp.all(y1[:, 0] == y[:, 0].astype(y1.dtype)))
+                row[name + "_us"] = timed(loop(lambda q, k, v, m, c=c, t=t: decode_attention(
+                    q, k, v, m, start + t, c, INTERPRET), t), q, kc, vc) / reps * 1e6
+            except Exception as e:  # noqa: BLE001
+                row[name + "_error"] = repr(e)[:300]
+        out[f"T{t}"] = row
+        log("attention", t, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
     return out
 
 
@@ -289,6 +377,8 @@ def decode_step() -> dict:
     lh12, report = prepare_kernel_params(params, cfg, {"attn": "lh12", "mlp": "lh12", "head": "lh12"},
                                          interpret=INTERPRET, configs=configs)
     variants["ours_lh12"] = lh12
+    # our GEMMs with XLA's attention: what the fused attention kernel adds or saves
+    variants["ours_bf16_xla_attention"] = dataclasses.replace(variants["ours_bf16"], attention="xla")
     out = {"config": LLAMA3_8B, "context": CONTEXT, "read_TBps": read / 1e12,
            "lh12_kept_bf16": [r.name for r in report if r.format != "lh12"],
            "configs": {f"{s[0]}x{s[1]} {f}": str(c) for (s, f), c in configs.items()}}
@@ -370,6 +460,9 @@ def main():
         save(out)
     if "gemv" in parts:
         RESULTS["gemv"] = {**RESULTS.get("gemv", {}), **gemv(args.sweep, args.budget_s)}
+    if "attn" in parts:
+        RESULTS["attention"] = attention_part()
+        save(out)
     if "step" in parts:
         RESULTS["step"] = decode_step()
     save(out)
@@ -385,13 +478,22 @@ def main():
                 if t in e["ours_bf16_TBps"] or str(t) in e["ours_bf16_TBps"])
         print(f"{key:>12} {fmt(e['xla_TBps']):>24} {fmt(e['ours_bf16_TBps']):>24} "
               f"{fmt(e['ours_lh12_TBps']):>24} {r:>12.2f}")
+    attn = RESULTS.get("attention")
+    if attn:
+        print("\nattention per layer, us (XLA | best Pallas config)")
+        for t in STEP_TOKENS:
+            row = attn.get(f"T{t}", {})
+            ours = {k[:-3]: v for k, v in row.items() if k.endswith("_us") and k != "xla_us"}
+            best = min(ours, key=ours.get) if ours else None
+            print(f"T={t:>3} {row.get('xla_us', float('nan')):8.1f} | "
+                  f"{ours.get(best, float('nan')):8.1f} {best}")
     step = RESULTS.get("step")
     if step:
         print(f"\n8B-shaped step, batch 1, {CONTEXT} context: ms (floor = bytes / read bandwidth)")
-        for name in ("xla", "ours_bf16", "ours_lh12"):
+        for name in ("xla", "ours_bf16_xla_attention", "ours_bf16", "ours_lh12"):
             row = step.get(name, {})
             ts = " ".join(f"T{t}={row.get(f'T{t}_ms', float('nan')):.3f}" for t in STEP_TOKENS)
-            print(f"{name:>10} floor={row.get('floor_ms', float('nan')):.3f} {ts}")
+            print(f"{name:>24} floor={row.get('floor_ms', float('nan')):.3f} {ts}")
         print("12-bit logits equal bf16:", step.get("lh12_logits_equal_bf16"))
 
 

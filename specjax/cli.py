@@ -27,6 +27,9 @@ def _stats_line(r) -> str:
     return "[stats] " + " ".join(parts)
 
 
+BLOCK_DEFAULT_K = 7  # the shipped block drafters: block 8 (and 16)
+
+
 def cmd_generate(args) -> int:
     from specjax.decoding.sequences import GenerationConfig
     from specjax.drafters.factory import make_drafter
@@ -34,6 +37,8 @@ def cmd_generate(args) -> int:
     from specjax.models.loading import load_model
     from specjax.sampling import SamplingConfig
 
+    if args.k is None:
+        args.k = BLOCK_DEFAULT_K if args.drafter == "block" else 4
     if args.k < 1:
         raise ConfigError(f"--k must be >= 1, got {args.k}")
     if args.max_new_tokens < 1:
@@ -53,7 +58,9 @@ def cmd_generate(args) -> int:
     if target.tokenizer is None:
         raise ConfigError(f"model {args.model!r} has no tokenizer (tokenizer.json or GGUF metadata)")
     tok = target.tokenizer
-    drafter = None if args.drafter == "none" else make_drafter(args.drafter, target, args.k)
+    prompts = [tok.encode(chatml(tok, text) if args.chat else text) for text in texts]
+    drafter = None if args.drafter == "none" else make_drafter(args.drafter, target, args.k, prompts=prompts,
+                                                               max_new_tokens=args.max_new_tokens)
     stops = tuple(tok.eos_ids) if not args.ignore_eos else ()
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
     engine = dict(kernels=args.kernels, kernel_tiles=args.kernel_tiles,
@@ -65,8 +72,7 @@ def cmd_generate(args) -> int:
         print(f"[kernels] {decoder.kernels}: {args.weights} weights"
               + (f" ({len(kept)} kept bf16, e.g. {kept[0].name}: {kept[0].reason})" if kept else ""))
 
-    for i, text in enumerate(texts):
-        ids = tok.encode(chatml(tok, text) if args.chat else text)
+    for i, ids in enumerate(prompts):
         result = decoder.generate([ids], seed=args.seed + i)
         print(f"=== prompt {i} ({len(ids)} tokens)")
         print(tok.decode(result.tokens[0]))
@@ -87,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="smollm2-135m",
                    help="registry name (smollm2-135m), HF checkpoint directory, or .gguf file")
     g.add_argument("--drafter", default="ngram",
-                   help="none | ngram | ngram:MAX_N | layerskip:K | block:DIR (trained by train-drafter) | "
-                        "block:random[:LAYERS] | PATH of a small model (default ngram)")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+                   help="none | ngram | ngram:MAX_N | layerskip:K | block (the shipped trained drafter) | "
+                        "block:DIR|FILE (trained by train-drafter) | block:random[:LAYERS] | "
+                        "replay:PROFILE:LAYERS (acceptance replay) | PATH of a small model (default ngram)")
+    g.add_argument("--k", type=int, help="draft tokens per round (default 4; with --drafter block, the "
+                                         "shipped drafter's: 7)")
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help=".jsonl (strings or {\"prompt\": ...}) or text, one per line")
     g.add_argument("--humaneval", type=int, default=0, metavar="N", help="use the first N HumanEval prompts")
@@ -140,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--prompts", type=int, default=256, help="training prompts (half HumanEval, half ShareGPT)")
     d.add_argument("--held-out", type=int, default=8, help="held-out prompts per source, for τ")
+    d.add_argument("--stop-after", type=int, help="end after this step of the --steps schedule "
+                                                  "(checkpointed; reproduces a run that --max-minutes cut)")
+    d.add_argument("--max-minutes", type=float, help="end training after this many minutes (checkpointed)")
+    d.add_argument("--chat-prompts", help="chat prompts from a file (.jsonl or one per line) instead of "
+                                          "ShareGPT's, e.g. your own traffic")
+    d.add_argument("--compare", default="ngram,layerskip:8",
+                   help="drafters whose held-out τ is measured beside the trained one, at the same k "
+                        "(comma-separated drafter specs; empty for none)")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     d.add_argument("--seed", type=int, default=0)
@@ -165,13 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train_drafter(args) -> int:
+    import time
+
     import jax
     from rich.progress import Progress
 
     from specjax.atomic import write_json_atomic
     from specjax.decoding.sequences import GenerationConfig
     from specjax.drafters.block import init_block_drafter
-    from specjax.drafters.block_train import TrainConfig, distill, export_block_drafter, train
+    from specjax.drafters.block_train import Checkpoints, TrainConfig, distill, export_block_drafter, train
+    import numpy as np
+
+    from specjax.drafters.factory import make_drafter
+    from specjax.drafters.replay import profile_from_hist, save_profile
     from specjax.engine import Decoder
     from specjax.models.loading import load_model
     from specjax.prompts import sharegpt_prompts
@@ -185,7 +207,14 @@ def cmd_train_drafter(args) -> int:
         raise ConfigError(f"model {args.model!r} has no tokenizer")
     half, held = args.prompts // 2, args.held_out
     code = humaneval_prompts(min(164, held + half))
-    chat = sharegpt_prompts(held + args.prompts - half)
+    if args.chat_prompts:
+        chat = read_prompts_file(args.chat_prompts)
+        if len(chat) < held + args.prompts - half:
+            raise ConfigError(f"{args.chat_prompts}: {len(chat)} prompts, need {held + args.prompts - half} "
+                              f"(--held-out {held} + half of --prompts {args.prompts})")
+        chat = chat[:held + args.prompts - half]
+    else:
+        chat = sharegpt_prompts(held + args.prompts - half)
     held_out = {"humaneval": code[:held], "sharegpt": chat[:held]}
     train_texts = code[held:] + chat[held:]
     try:
@@ -202,20 +231,40 @@ def cmd_train_drafter(args) -> int:
                        seed=args.seed)
     with Progress() as bar:
         task = bar.add_task("training", total=args.steps)
+        deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
         trained, _ = train(drafter, target.params, target.cfg, corpus, tcfg, args.out,
-                           meta={"model": args.model},
+                           meta={"model": args.model}, stop_after=args.stop_after, deadline=deadline,
                            progress=lambda step, loss: bar.update(task, completed=step,
                                                                   description=f"loss {loss:.3f}"))
+    ckpt = Checkpoints(args.out)
+    steps_done = ckpt.latest()
+    ckpt.manager.close()
+    print(f"[train] {steps_done} of {args.steps} steps")
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_tokens=tok.eos_ids)
-    decoder = Decoder(target.cfg, target.params, gen, trained)
-    taus = {}
-    for name, texts in held_out.items():
-        if texts:
-            res = [decoder.generate([tok.encode(t)]) for t in texts]
-            taus[name] = sum(r.tau for r in res) / len(res)
-            print(f"[held-out] {name}: τ = {taus[name]:.2f} (greedy, block {args.block_size})")
-    write_json_atomic(Path(args.out) / "held_out.json", {"tau": taus, "block_size": args.block_size,
-                                                         "steps": args.steps, "model": args.model})
+    k = args.block_size - 1
+    drafters = {"block": trained}
+    for spec in filter(None, (args.compare or "").split(",")):
+        drafters[spec] = make_drafter(spec, target, k)
+    taus: dict = {}
+    hists = []  # the block drafter's accepted-draft histograms: its recorded acceptance profile
+    for dname, d in drafters.items():
+        decoder = Decoder(target.cfg, target.params, gen, d)
+        for name, texts in held_out.items():
+            if texts:
+                res = [decoder.generate([tok.encode(t)]) for t in texts]
+                if dname == "block":
+                    hists += [r.accepted_hist.sum(axis=0) for r in res]
+                taus.setdefault(dname, {})[name] = sum(r.tau for r in res) / len(res)
+                print(f"[held-out] {dname:>12} {name}: τ = {taus[dname][name]:.2f} (greedy, k = {k})")
+    write_json_atomic(Path(args.out) / "held_out.json",
+                      {"tau": taus["block"], "tau_by_drafter": taus, "k": k, "block_size": args.block_size,
+                       "steps": args.steps, "steps_done": steps_done,
+                       "model": args.model, "layers": args.layers,
+                       "taps": list(trained.taps), "held_out_prompts": held})
+    if hists:
+        save_profile(Path(args.out) / "profile.json", profile_from_hist(np.sum(hists, axis=0)),
+                     {"target": args.model, "drafter": f"block{args.block_size}", "layers": args.layers,
+                      "prompts": "held-out HumanEval + ShareGPT", "held_out_per_source": held})
     size = export_block_drafter(trained, Path(args.out) / "drafter.safetensors", target.cfg)
     print(f"[export] {Path(args.out) / 'drafter.safetensors'}: {size / 1e6:.1f} MB (bf16 weights, "
           f"use with --drafter block:PATH --k {args.block_size - 1})")

@@ -3,12 +3,14 @@ verified on restore, bad data is refused, the loss falls, and a trained drafter 
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import tiny_model
-from specjax.atomic import CorruptFileError
+from specjax.atomic import CorruptFileError, read_json_checked
 from specjax.decoding.sequences import GenerationConfig
 from specjax.drafters.block import init_block_drafter
 from specjax.drafters.block_train import Checkpoints, Corpus, TrainConfig, distill, train
@@ -43,6 +45,11 @@ def test_resume_after_kill_equals_uninterrupted(setup, tmp_path):
     assert len(rest) == 3 and first + rest == losses
     for a, b in zip(leaves(whole.params), leaves(resumed.params)):
         np.testing.assert_array_equal(a, b)
+    # a time budget ends the run after the step that passes it, checkpointed, and resumes the same
+    _, timed = train(drafter, params, cfg, corpus, tcfg, tmp_path / "c", deadline=time.monotonic())
+    assert len(timed) == 1 and Checkpoints(tmp_path / "c").latest() == 1
+    again, rest = train(drafter, params, cfg, corpus, tcfg, tmp_path / "c")
+    assert timed + rest == losses
 
 
 def test_damaged_checkpoint_is_refused(setup, tmp_path):
@@ -89,9 +96,15 @@ def test_cli_trains_smollm2_drafter_and_generate_uses_it(tmp_path, capsys):
     from specjax.drafters.block_train import load_block_drafter
     out = tmp_path / "drafter"
     assert main(["train-drafter", "--out", str(out), "--steps", "2", "--batch", "2", "--anchors", "2",
-                 "--prompts", "4", "--held-out", "1", "--max-new-tokens", "8", "--block-size", "4"]) == 0
+                 "--prompts", "4", "--held-out", "1", "--max-new-tokens", "8", "--block-size", "4",
+                 "--compare", "ngram"]) == 0
     text = capsys.readouterr().out
-    assert "[held-out] humaneval" in text and "[held-out] sharegpt" in text
+    assert "block humaneval" in text and "block sharegpt" in text and "ngram sharegpt" in text
+    held = read_json_checked(out / "held_out.json")
+    assert set(held["tau_by_drafter"]) == {"block", "ngram"} and held["k"] == 3
+    assert all(t >= 1.0 for per in held["tau_by_drafter"].values() for t in per.values())
+    from specjax.drafters.replay import load_profile
+    assert len(load_profile(out / "profile.json")) == 3
     assert main(["generate", "--drafter", f"block:{out}", "--k", "3", "--humaneval", "1",
                  "--max-new-tokens", "12", "--compare-ar"]) == 0
     assert "tokens identical to AR" in capsys.readouterr().out
@@ -108,6 +121,15 @@ def test_cli_trains_smollm2_drafter_and_generate_uses_it(tmp_path, capsys):
         load_block_drafter(out, params, cfg)
     with pytest.raises(ConfigError, match="no block-drafter checkpoint"):
         load_block_drafter(tmp_path / "empty", params, cfg)
+
+
+def test_cli_chat_prompts_file_must_hold_enough(tmp_path, capsys):
+    from specjax.cli import main
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('"hello there"\n{"prompt": "write a haiku"}\n')
+    assert main(["train-drafter", "--out", str(tmp_path / "d"), "--prompts", "8", "--held-out", "1",
+                 "--chat-prompts", str(chat)]) == 2
+    assert "chat.jsonl: 2 prompts, need 5" in capsys.readouterr().err
 
 
 def test_export_round_trip_and_damage(setup, tmp_path):

@@ -84,3 +84,17 @@ def test_fit_to_ar_recovers_commit_and_host_costs():
     assert dev.host_per_token == pytest.approx(0.05 / 100)
     p = predict(DIMS, dataclasses.replace(dev, step_overhead=0.0, bandwidth=6e9), [0], [0], [0], alpha(0.0))
     assert 1 / p["tokens_per_s"][0] == pytest.approx(2e-3 + 0.5e-3 + 0.5e-3)  # forward + commit + host
+
+
+@pytest.mark.parametrize("kind", [3, 4])  # block drafter, and the replay drafter's block network
+def test_block_draft_is_one_block_forward_plus_the_context_injection(kind):
+    # L = 2 drafter layers over k + 1 = 4 positions: (2 MB layers + 2 MB head) / 1e9 + the fixed costs,
+    # then the injection pass: 2 MB of layers, no head
+    p = predict(DIMS, DEV, [3], [kind], [2], alpha(1.0))
+    block = 1e-3 + 4e6 / 1e9
+    inject = 1e-3 + 2e6 / 1e9
+    assert p["component_time"][0, 1] == pytest.approx(block + inject)
+    assert p["component_floor"][0, 1] == pytest.approx(4e6 / 2e9 + 2e6 / 2e9)
+    deeper = predict(DIMS, DEV, [3], [kind], [4], alpha(1.0))
+    assert deeper["component_time"][0, 1] > p["component_time"][0, 1]
+    assert p["tokens_per_step"][0] == pytest.approx(4.0)

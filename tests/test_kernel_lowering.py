@@ -62,3 +62,15 @@ def test_bf16_kernel_lowers_for_cuda(weight, block_n):
     gw = prepare_bf16(jnp.asarray(weight), GemmConfig(block_n=block_n, split_k=2))
     module = lower_for_cuda(skinny_gemm, jnp.ones((3, 256), jnp.bfloat16), gw)
     assert "skinny_gemm_bf16" in module and "xla.gpu.triton" in module
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_attention_lowers_for_cuda(t):
+    from pallas_kernels.decode_attention import AttentionConfig, decode_attention
+    B, S, Hq, Hkv, hd = 1, 256, 8, 2, 64
+    q = jnp.ones((B, t, Hq, hd), jnp.bfloat16)
+    kv = jnp.ones((B, S, Hkv, hd), jnp.bfloat16)
+    mask = jnp.ones((B, t, S), bool)
+    f = lambda q, k, v, m, n: decode_attention(q, k, v, m, n, AttentionConfig())
+    module = lower_for_cuda(f, q, kv, kv, mask, jnp.array([S], jnp.int32))
+    assert "decode_attention" in module and "xla.gpu.triton" in module

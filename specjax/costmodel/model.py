@@ -9,7 +9,10 @@ bit for bit what the model did before formats existed. Floors take the fewer byt
 efficiencies (nothing beats bytes / peak bandwidth).
 
 Components: verify (one target forward over k + 1 tokens, weights + KV read once), draft (the
-proposer's forwards: none for n-gram, k narrow forwards of the first K layers for layer-skip), commit
+proposer's forwards: none for n-gram, k narrow forwards of the first K layers for layer-skip; for
+block and replay drafters, one forward of their L target-shaped layers and the shared head over the
+k + 1 block positions, plus the pass that injects the accepted positions' features into their
+L layers' K/V (no head)), commit
 (acceptance, cache/sequence update, loop), host (prefill, dispatch and transfers outside the decode
 loop, per generated token). Expected tokens per step from per-position conditional
 acceptance a_i: E[N] = 1 + sum_j prod_{i<=j} a_i (bonus token included; AR = 1).
@@ -114,8 +117,17 @@ def expected_tokens(alpha, k):
     return 1.0 + jnp.sum(survive)
 
 
+def _block_draft_time(dims: ModelDims, dev: DeviceModel, layers, k, peak: bool, wp: WeightPlan):
+    """Block (and replay) drafters: the block forward (L layers + head over k + 1 positions) and the
+    context injection (L layers over up to k + 1 accepted positions, no head)."""
+    no_head = dataclasses.replace(dims, head_bytes=0.0, head_flops=0.0, head_matrix_bytes=0.0)
+    return (_forward_time(dims, dev, layers, k + 1, peak, wp) +
+            _forward_time(no_head, dev, layers, k + 1, peak, wp))
+
+
 def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned):
-    """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip;
+    """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
+    3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
     bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag)."""
     wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
     speculative = kind > 0
@@ -128,8 +140,10 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
                    (k - 1) * _forward_time(dims, dev, layers, 1, False, wp), 0.0)
     ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, True, wp) +
                          (k - 1) * _forward_time(dims, dev, layers, 1, True, wp), 0.0)
-    draft = jnp.where(kind == 2, ls, jnp.where(kind == 1, dev.step_overhead * 0.25, 0.0))
-    draft_floor = jnp.where(kind == 2, ls_floor, 0.0)
+    block = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, False, wp), 0.0)
+    block_floor = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, True, wp), 0.0)
+    draft = jnp.select([kind == 1, kind == 2, kind >= 3], [dev.step_overhead * 0.25, ls, block], 0.0)
+    draft_floor = jnp.select([kind == 2, kind >= 3], [ls_floor, block_floor], 0.0)
     commit = jnp.where(speculative, dev.round_overhead, dev.round_overhead * 0.5)
     tokens = jnp.where(speculative, expected_tokens(alpha, k), 1.0)
     host = tokens * dev.host_per_token  # paid per token, so per step it scales with tokens per step

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from pathlib import Path
 
 import jax
@@ -198,9 +199,12 @@ class Checkpoints:
 
 def train(drafter: BlockDrafter, target: ModelParams, cfg: ModelConfig, corpus: Corpus,
           tcfg: TrainConfig, checkpoint_dir: str | Path, meta: dict | None = None,
-          stop_after: int | None = None, progress=None) -> tuple[BlockDrafter, list[float]]:
+          stop_after: int | None = None, progress=None, deadline: float | None = None
+          ) -> tuple[BlockDrafter, list[float]]:
     """Train (or resume) to tcfg.steps; `stop_after` ends early after that step (tests use it to
-    simulate a kill). progress(step, loss) is called every step. Returns the drafter and losses
+    simulate a kill), `deadline` (time.monotonic()) after the first step past it, checkpointed
+    either way (the run is the first `done` steps of the full schedule: rerun with stop_after=done
+    to reproduce it). progress(step, loss) is called every step. Returns the drafter and losses
     of the steps run in this call."""
     corpus.check()
     opt, step_fn = make_step(drafter, target, cfg, tcfg)
@@ -223,9 +227,10 @@ def train(drafter: BlockDrafter, target: ModelParams, cfg: ModelConfig, corpus: 
         if progress is not None:
             progress(step + 1, losses[-1])
         done = step + 1
-        if done % tcfg.checkpoint_every == 0 or done == tcfg.steps or done == stop_after:
+        late = deadline is not None and time.monotonic() > deadline
+        if done % tcfg.checkpoint_every == 0 or done == tcfg.steps or done == stop_after or late:
             ckpt.save(done, {"params": params, "opt_state": opt_state}, meta)
-        if done == stop_after:
+        if done == stop_after or late:
             break
     ckpt.manager.close()
     return dataclasses.replace(drafter, params=params), losses

@@ -8,6 +8,11 @@ conditional acceptance rate. The target still verifies every draft, so the outpu
 decoding token for token; only the acceptance is borrowed, from a profile recorded on a real
 (target, drafter) pair on real prompts. Everything it produces is labeled "replayed acceptance".
 Greedy decoding only: the reference continuation is the greedy one.
+
+It holds the continuations of a whole prompt set and finds each batch row's own by matching the
+row's prompt at `init` (inside the jit), so one drafter serves every batch drawn from the set (the
+search measures a deployment batch by batch). A prompt outside the set gets drafts that are all
+rejected: the output stays exact, only its acceptance is zero.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def load_profile(path: str | Path) -> list[float]:
 @dataclasses.dataclass(frozen=True)
 class ReplayDrafter:
     inner: object  # the drafter network whose cost is measured (any drafter pytree)
-    refs: jax.Array  # [B, R] prompt + the target's greedy AR continuation, per row, zero-padded
+    refs: jax.Array  # [N, R] prompt + the target's greedy AR continuation, per prompt, zero-padded
+    ref_prompt_len: jax.Array  # [N] prompt lengths (what a row's prompt is matched against)
     alpha: jax.Array  # [k] conditional acceptance per draft position
     vocab_size: int = dataclasses.field(metadata=dict(static=True))
     label: str = dataclasses.field(default=LABEL, metadata=dict(static=True))
@@ -66,33 +72,46 @@ class ReplayDrafter:
         return getattr(self.inner, "taps", ())
 
     def init(self, prompt, prompt_len, num_slots, features=None):
+        """-> (inner state, [B] row of each prompt in `refs`, -1 where the prompt is not in the set)."""
         if self.taps:
-            return self.inner.init(prompt, prompt_len, num_slots, features=features)
-        return self.inner.init(prompt, prompt_len, num_slots)
+            inner = self.inner.init(prompt, prompt_len, num_slots, features=features)
+        else:
+            inner = self.inner.init(prompt, prompt_len, num_slots)
+        p = prompt.shape[1]
+        refs = self.refs if self.refs.shape[1] >= p else jnp.pad(self.refs, ((0, 0), (0, p - self.refs.shape[1])))
+        past = jnp.arange(p)[None, None, :] >= prompt_len[:, None, None]  # [B, 1, P]
+        same = jnp.all((refs[None, :, :p] == prompt[:, None, :]) | past, axis=-1)  # [B, N]
+        same &= self.ref_prompt_len[None, :] == prompt_len[:, None]
+        rows = jnp.where(jnp.any(same, axis=1), jnp.argmax(same, axis=1), -1)
+        return inner, rows
 
     def observe(self, state, features, start):
-        return self.inner.observe(state, features, start)
+        inner, rows = state
+        return self.inner.observe(inner, features, start), rows
 
     def propose(self, state, seqs: Sequences, key, sampling: SamplingConfig):
         if not sampling.greedy:
             raise NotImplementedError("acceptance replay replays the greedy continuation; sampled "
                                       "decoding has no single reference to replay")
+        inner, rows = state
         k_inner, k_draw = jax.random.split(key)
-        inner_draft, _, state = self.inner.propose(state, seqs, k_inner, sampling)
-        ref = read_rows(self.refs, seqs.length, self.k)  # what the target will choose next
-        ok = jax.random.uniform(k_draw, ref.shape) < self.alpha[None, :]
+        inner_draft, _, inner = self.inner.propose(inner, seqs, k_inner, sampling)
+        # what the target will choose next (an unknown prompt's row reads row 0, never accepted)
+        ref = read_rows(self.refs[jnp.maximum(rows, 0)], seqs.length, self.k)
+        ok = (jax.random.uniform(k_draw, ref.shape) < self.alpha[None, :]) & (rows[:, None] >= 0)
         first_bad = leading_true(ok)  # drafts before it are accepted, it is rejected
         wrong = (ref + 1) % self.vocab_size
         draft = jnp.where(jnp.arange(self.k)[None, :] == first_bad[:, None], wrong, ref)
         # keep the inner network's work in the program: XLA would drop an unused result
         draft, _ = jax.lax.optimization_barrier((draft, inner_draft))
-        return draft, None, state
+        return draft, None, (inner, rows)
 
 
 def replay_drafter(inner, target_cfg, target_params, prompts: list[list[int]], max_new_tokens: int,
                    alpha: list[float]) -> ReplayDrafter:
-    """A replay drafter for these prompts: their greedy AR continuations (k + 1 tokens longer than
-    the run, so the last round's drafts have a reference) and the profile `alpha` (k values)."""
+    """A replay drafter for this prompt set (any batch of it, in any order): their greedy AR
+    continuations (k + 1 tokens longer than the run, so the last round's drafts have a reference)
+    and the profile `alpha` (k values)."""
     from specjax.decoding.sequences import GenerationConfig
     from specjax.engine import Decoder
     k = inner.k
@@ -107,4 +126,11 @@ def replay_drafter(inner, target_cfg, target_params, prompts: list[list[int]], m
     refs = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         refs[i, :len(r)] = r
-    return ReplayDrafter(inner, jnp.asarray(refs), jnp.asarray(alpha, jnp.float32), target_cfg.vocab_size)
+    return ReplayDrafter(inner, jnp.asarray(refs), jnp.asarray([len(p) for p in prompts], jnp.int32),
+                         jnp.asarray(alpha, jnp.float32), target_cfg.vocab_size)
+
+
+def fit_profile(alpha: list[float], k: int) -> list[float]:
+    """A recorded profile at another draft length -> k positions: cut, or extended by repeating its
+    last conditional rate (a run at k says nothing past k)."""
+    return [float(a) for a in (list(alpha[:k]) + [alpha[-1]] * max(0, k - len(alpha)))]

@@ -101,7 +101,8 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
     head = params.embed.T if params.lm_head is None else params.lm_head
     lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret, configs)
     report.append(r)
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head), report
+    attention = "interpret" if interpret else "pallas"
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=attention), report
 
 
 def kernels_available() -> bool:

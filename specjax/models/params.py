@@ -37,6 +37,9 @@ class ModelParams:
     layers: list[LayerParams]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+    # attention implementation: "xla", or the Pallas kernel ("pallas"; "interpret" in Pallas
+    # interpret mode on a CPU), chosen with the kernel weights (models/kernel_params.py)
+    attention: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
 
 def truncate_layers(params: ModelParams, num_layers: int) -> ModelParams:

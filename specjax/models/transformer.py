@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode_attention import decode_attention
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.linear import is_kernel_weight, linear
@@ -44,9 +45,11 @@ def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
     return out.reshape(B, T, cfg.q_size).astype(q.dtype)
 
 
-def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None):
+def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None,
+           attention: str = "xla"):
     """One decoder layer. `mix(h, sublayer)` (block drafters) transforms the normed input of the
-    attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block convolution."""
+    attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block convolution.
+    `attention`: "xla", "pallas" or "interpret" (the fused kernel, pallas_kernels/decode_attention.py)."""
     B, T, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     if mix is not None:
@@ -65,7 +68,11 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
     k = apply_rope(k, cos, sin)
     k_cache = write_rows(k_cache, k, start)
     v_cache = write_rows(v_cache, v, start)
-    attn = linear(_attention(cfg, q, k_cache, v_cache, mask), p.w_o)
+    if attention == "xla":
+        mixed = _attention(cfg, q, k_cache, v_cache, mask)
+    else:  # no slot at or past start + T is visible (causal and tree masks alike)
+        mixed = decode_attention(q, k_cache, v_cache, mask, start + T, interpret=attention == "interpret")
+    attn = linear(mixed, p.w_o)
     if p.b_o is not None:
         attn = attn + p.b_o
     x = x + attn
@@ -101,7 +108,7 @@ def forward_with_taps(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, 
     cos, sin = rope_cos_sin(cfg, positions)
     new_k, new_v, tapped = [], [], {}
     for i, (p, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
-        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask)
+        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention)
         new_k.append(kc)
         new_v.append(vc)
         if i in taps:

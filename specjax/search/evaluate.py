@@ -152,7 +152,8 @@ class Evaluator(Plan):
 
     def _build(self, config: dict) -> Decoder:
         kw = REGISTRY.apply(config)
-        drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], self.target, kw["k"])
+        drafter = None if kw["drafter"] is None else make_drafter(
+            kw["drafter"], self.target, kw["k"], prompts=self.prompts, max_new_tokens=self.gen.max_new_tokens)
         return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket,
                        **engine_changes(config))
 

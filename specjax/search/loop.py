@@ -29,6 +29,7 @@ from specjax.atomic import read_json_checked, write_json_atomic
 from specjax.costmodel.model import predict
 from specjax.search.evaluate import Evaluator, Measurement, cost_inputs
 from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant
+from specjax.search.report import replayed
 from specjax.search.spec import SearchSpec
 
 AR_CONFIG = {"drafter.kind": "none"}
@@ -176,7 +177,8 @@ class Search:
             spec_name=self.spec.name, deployment=self.spec.deployment.fingerprint(), config=m.config,
             config_delta={k: v for k, v in m.config.items() if stock.get(k) != v},
             measured={"tokens_per_s": m.tokens_per_s, "speedup": self._speedup(m), "runs": len(m.runs),
-                      "device": m.device},
+                      "device": m.device,
+                      "acceptance": "replayed acceptance" if replayed(m.config) else "measured"},
             predicted={"tokens_per_s": float(pred["tokens_per_s"][0]),
                        "speedup": float(pred["tokens_per_s"][0] / ar_pred["tokens_per_s"][0])},
             forcing={k: m.forcing[k] for k in ("checked", "expected", "failures", "near_ties", "tolerance")},
@@ -276,7 +278,8 @@ class Search:
             chosen = fresh[:self.spec.budget.measure_per_round]
             for c, m in zip(chosen, self._measure_many(chosen, incumbent.config)):
                 gain = self.state.evaluated[config_key(c)]["vs_incumbent"]
-                if m.valid and gain is not None and gain > MIN_GAIN:
+                # replayed acceptance is an estimate, not a deployable drafter: reported, never promoted
+                if m.valid and gain is not None and gain > MIN_GAIN and not replayed(c):
                     winners.append(m)
         winners = self._combine(winners, incumbent)
         best = max(winners, key=lambda m: m.tokens_per_s, default=None)

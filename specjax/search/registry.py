@@ -87,7 +87,13 @@ REGISTRY = Registry()
 
 # ----------------------------------------------------------------------------- drafter
 
-DRAFTER_KINDS = ("none", "ngram", "layerskip")
+# block: DFlash-style block drafter (trained checkpoint for the target, or untrained);
+# replay: acceptance replay (a real block-drafter network of drafter.block_layers layers whose
+# drafts are the target's own continuation corrupted per a recorded profile; labeled as such)
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "block", "replay")
+BLOCK_SOURCES = ("trained", "random")
+# Recorded acceptance profiles shipped with the trained drafters (specjax/drafters/trained/)
+REPLAY_PROFILES = ("smollm2-135m-block8", "smollm2-135m-block16")
 
 
 def _drafter_spelling(config: dict) -> str | None:
@@ -96,7 +102,21 @@ def _drafter_spelling(config: dict) -> str | None:
         return None
     if kind == "ngram":
         return f"ngram:{config.get('drafter.ngram_max_n', 3)}"
+    layers = config.get("drafter.block_layers", 1)
+    if kind == "block":
+        if config.get("drafter.block", "trained") == "trained":
+            return f"block:trained:{layers}"
+        return f"block:random:{layers}"
+    if kind == "replay":
+        return f"replay:{config.get('drafter.replay_profile', REPLAY_PROFILES[0])}:{layers}"
     return f"layerskip:{config['drafter.layers']}"
+
+
+def _draft_layers(config: dict) -> float:
+    kind = config.get("drafter.kind", "none")
+    if kind in ("block", "replay"):
+        return float(config.get("drafter.block_layers", 1))
+    return float(config.get("drafter.layers", 0))
 
 
 def drafter_variant(config: dict) -> str:
@@ -108,7 +128,8 @@ REGISTRY.register(Mechanism(
     name="drafter",
     params=(
         ParamDef("drafter.kind", "categorical", DRAFTER_KINDS, default="none",
-                 doc="none (plain AR), ngram prompt lookup, or layerskip self-drafting",
+                 doc="none (plain AR), ngram prompt lookup, layerskip self-drafting, a block drafter, "
+                     "or acceptance replay (benchmarks of targets without a trained drafter)",
                  components=("draft", "verify", "commit")),
         ParamDef("drafter.k", "int", low=1, high=32, doc="draft tokens per verify step",
                  components=("draft", "verify", "commit")),
@@ -116,12 +137,21 @@ REGISTRY.register(Mechanism(
                  components=("draft",)),
         ParamDef("drafter.layers", "int", low=1, high=1024, doc="target layers the layer-skip drafter keeps",
                  components=("draft",)),
+        ParamDef("drafter.block", "categorical", BLOCK_SOURCES,
+                 doc="block drafter weights: the trained checkpoint for this target at block size k + 1 "
+                     "(specjax/drafters/trained/), or untrained",
+                 components=("draft", "verify", "commit")),
+        ParamDef("drafter.block_layers", "int", low=1, high=16,
+                 doc="layers of the block drafter (a trained one must have this many) or of the replay "
+                     "drafter's network", components=("draft",)),
+        ParamDef("drafter.replay_profile", "categorical", REPLAY_PROFILES,
+                 doc="recorded acceptance profile the replay drafter borrows", components=("verify", "commit")),
     ),
     component="draft",
     features=lambda c: {
         "k": float(c.get("drafter.k", 0) if c.get("drafter.kind", "none") != "none" else 0),
         "draft_kind": float(DRAFTER_KINDS.index(c.get("drafter.kind", "none"))),
-        "draft_layers": float(c.get("drafter.layers", 0)),
+        "draft_layers": _draft_layers(c),
     },
     apply=lambda c: {"drafter": _drafter_spelling(c),
                      "k": int(c.get("drafter.k", 0)) if c.get("drafter.kind", "none") != "none" else 0},

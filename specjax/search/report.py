@@ -8,6 +8,15 @@ from pathlib import Path
 from specjax.atomic import write_json_atomic
 
 
+def replayed(config: dict) -> bool:
+    """Acceptance borrowed from a recorded profile: every figure of such a config says so."""
+    return config.get("drafter.kind") == "replay"
+
+
+def _label(config: dict) -> str:
+    return f"`{json.dumps(config)}`" + (" (replayed acceptance)" if replayed(config) else "")
+
+
 def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
     ar = state.ar["tokens_per_s"]
     stock, inc = state.stock, state.incumbent
@@ -17,13 +26,15 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
         rows.append({"config": m["config"], "round": e["round"], "tokens_per_s": m["tokens_per_s"],
                      "speedup": m["tokens_per_s"] / ar, "tau": m["tau"], "rejected": m["rejected"],
                      "forcing": m["forcing"], "device": m["device"],
-                     "predicted_tokens_per_s": e.get("predicted_tokens_per_s")})
+                     "predicted_tokens_per_s": e.get("predicted_tokens_per_s"),
+                     "acceptance": "replayed acceptance" if replayed(m["config"]) else "measured"})
     results = {
         "spec": spec.name, "spec_path": spec.path, "deployment": spec.deployment.fingerprint(),
         "measured_on": device_name, "cost_model_device": {"name": cost_device.name, "source": cost_device.source},
         "ar_tokens_per_s": ar, "stock": {"config": stock["config"], "tokens_per_s": stock["tokens_per_s"],
                                          "speedup": stock["tokens_per_s"] / ar, "rejected": stock["rejected"]},
-        "found": {"config": inc["config"], "tokens_per_s": inc["tokens_per_s"], "speedup": inc["tokens_per_s"] / ar},
+        "found": {"config": inc["config"], "tokens_per_s": inc["tokens_per_s"], "speedup": inc["tokens_per_s"] / ar,
+                  "acceptance": "replayed acceptance" if replayed(inc["config"]) else "measured"},
         "measurements": state.measurements, "rounds": state.history, "evaluated": rows,
         "memory_records": state.records}
     from specjax.search.plots import median_relative_error, spearman, write_plots
@@ -44,9 +55,9 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
                   "rankings use the spec's numbers; every measured figure is from this device.", ""]
     lines += ["| | config | tok/s | speedup over AR |", "|---|---|---|---|",
               f"| AR | plain autoregressive | {ar:.1f} | 1.00x |",
-              f"| stock | `{json.dumps(stock['config'])}` | {stock['tokens_per_s']:.1f} | "
+              f"| stock | {_label(stock['config'])} | {stock['tokens_per_s']:.1f} | "
               f"{stock['tokens_per_s'] / ar:.2f}x |",
-              f"| found | `{json.dumps(inc['config'])}` | {inc['tokens_per_s']:.1f} | {inc['tokens_per_s'] / ar:.2f}x |",
+              f"| found | {_label(inc['config'])} | {inc['tokens_per_s']:.1f} | {inc['tokens_per_s'] / ar:.2f}x |",
               "", f"Measurements used: {state.measurements} (pilots included). Rounds: {len(state.history)}.", "",
               "Cost model on the validated candidates: " + _fidelity_text(results["cost_model_fidelity"]), "",
               *[f"![{p.stem}]({p.name})" for p in plots], "",
@@ -60,7 +71,7 @@ def write_report(out: Path, spec, state, device_name: str, cost_device) -> Path:
               "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
         verdict = "validated" if r["rejected"] is None else "rejected: " + r["rejected"][:120]
-        lines.append(f"| {r['round']} | `{json.dumps(r['config'])}` | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['round']} | {_label(r['config'])} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['tau']:.2f} | {verdict} |")
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
