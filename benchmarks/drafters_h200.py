@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.decoding.sequences import GenerationConfig, prompt_bucket  # noqa: E402
 from specjax.drafters.block_train import load_block_drafter  # noqa: E402
 from specjax.drafters.factory import make_drafter  # noqa: E402
-from specjax.engine import Decoder  # noqa: E402
+from specjax.engine import Decoder, pooled_tau  # noqa: E402
 from specjax.models.loading import load_model  # noqa: E402
 from specjax.prompts import humaneval_prompts, read_prompts_file, sharegpt_prompts  # noqa: E402
 
@@ -44,12 +44,12 @@ def save(results: dict):
 
 
 def run_set(decoder: Decoder, prompts: list[list[int]], repeats: int = 2):
-    """(tokens, seconds, τ) per prompt; seconds: the best of `repeats` runs."""
+    """(tokens, seconds, result) per prompt; seconds: the best of `repeats` runs."""
     decoder.generate(prompts[:1])  # warm-up (compilation is excluded from the engine's timings anyway)
     out = []
     for p in prompts:
         runs = [decoder.generate([p]) for _ in range(repeats)]
-        out.append((runs[0].tokens[0], min(r.prefill_s + r.decode_s for r in runs), runs[0].tau))
+        out.append((runs[0].tokens[0], min(r.prefill_s + r.decode_s for r in runs), runs[0]))
     return out
 
 
@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layer-skip", type=int, default=8, help="layers the layer-skip drafter keeps")
+    ap.add_argument("--kernels", default="auto", help="engine kernels: auto (XLA) | pallas (GPU: the same "
+                    "numerics at every width, so verify steps reproduce AR steps bit for bit)")
     args = ap.parse_args()
     target = load_model(args.model, dtype=args.dtype)
     tok = target.tokenizer
@@ -72,11 +74,12 @@ def main():
             "sharegpt": [tok.encode(t) for t in chat]}
     bucket = prompt_bucket(max(len(p) for ps in sets.values() for p in ps))
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_tokens=tok.eos_ids)
-    results = {"meta": {"model": args.model, "dtype": args.dtype, "held_out": held, "bucket": bucket,
+    results = {"meta": {"model": args.model, "dtype": args.dtype, "kernels": args.kernels, "held_out": held, "bucket": bucket,
                         "max_new_tokens": args.max_new_tokens, "jax": jax.__version__,
                         "device": jax.devices()[0].device_kind,
                         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}}
-    ar = {name: run_set(Decoder(target.cfg, target.params, gen, min_prompt_bucket=bucket), ps)
+    eng = dict(min_prompt_bucket=bucket, kernels=args.kernels)
+    ar = {name: run_set(Decoder(target.cfg, target.params, gen, **eng), ps)
           for name, ps in sets.items()}
     for name, rows in ar.items():
         toks = sum(len(t) for t, _, _ in rows)
@@ -89,12 +92,12 @@ def main():
                     f"layerskip:{args.layer_skip}": make_drafter(f"layerskip:{args.layer_skip}", target, k),
                     "block": load_block_drafter(path, target.params, target.cfg)}
         for dname, d in drafters.items():
-            decoder = Decoder(target.cfg, target.params, gen, d, min_prompt_bucket=bucket)
+            decoder = Decoder(target.cfg, target.params, gen, d, **eng)
             for name, ps in sets.items():
                 rows = run_set(decoder, ps)
                 exact = all(t == a for (t, _, _), (a, _, _) in zip(rows, ar[name]))
                 secs = sum(s for _, s, _ in rows)
-                entry = {"k": k, "tau": sum(x for _, _, x in rows) / len(rows), "seconds": secs,
+                entry = {"k": k, "tau": pooled_tau([r for _, _, r in rows]), "seconds": secs,
                          "speedup_over_ar": results[f"ar/{name}"]["seconds"] / secs, "token_exact": exact}
                 results[f"B{b}/{dname}/{name}"] = entry
                 save(results)  # partial results survive a time limit

@@ -194,7 +194,7 @@ def cmd_train_drafter(args) -> int:
 
     from specjax.drafters.factory import make_drafter
     from specjax.drafters.replay import profile_from_hist, save_profile
-    from specjax.engine import Decoder
+    from specjax.engine import Decoder, pooled_tau
     from specjax.models.loading import load_model
     from specjax.prompts import sharegpt_prompts
 
@@ -254,7 +254,7 @@ def cmd_train_drafter(args) -> int:
                 res = [decoder.generate([tok.encode(t)]) for t in texts]
                 if dname == "block":
                     hists += [r.accepted_hist.sum(axis=0) for r in res]
-                taus.setdefault(dname, {})[name] = sum(r.tau for r in res) / len(res)
+                taus.setdefault(dname, {})[name] = pooled_tau(res)
                 print(f"[held-out] {dname:>12} {name}: τ = {taus[dname][name]:.2f} (greedy, k = {k})")
     write_json_atomic(Path(args.out) / "held_out.json",
                       {"tau": taus["block"], "tau_by_drafter": taus, "k": k, "block_size": args.block_size,

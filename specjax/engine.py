@@ -22,6 +22,19 @@ from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
 
 
+def pooled_tau(results) -> float:
+    """τ over several results: all their verify rounds pooled (a per-result mean would count a
+    prompt that ends before its first round, e.g. on an immediate end-of-turn, as τ = 0).
+    1.0 without rounds (AR, or nothing drafted)."""
+    hists = [r.accepted_hist.sum(axis=0) for r in results if r.accepted_hist is not None]
+    if not hists:
+        return 1.0
+    hist = np.sum(hists, axis=0)
+    if hist.sum() == 0:
+        return 1.0
+    return float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]  # generated tokens per row, cut after a stop token / at max_new_tokens
@@ -45,10 +58,7 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean tokens committed per target verify step, bonus included (AR = 1.00)."""
-        if self.accepted_hist is None:
-            return 1.0
-        hist = self.accepted_hist.sum(axis=0)
-        return float((hist * np.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
+        return pooled_tau([self])
 
     @property
     def acceptance_rates(self) -> list[float]:

@@ -154,3 +154,18 @@ def test_export_round_trip_and_damage(setup, tmp_path):
         load_block_drafter(path, params, cfg)
     with pytest.raises(ConfigError, match="not found"):
         load_block_drafter(tmp_path / "missing.safetensors", params, cfg)
+
+
+def test_shipped_smollm2_drafter_is_exact(capsys):
+    """The trained block drafter that ships with specjax (`--drafter block`, block 8) on SmolLM2:
+    token-identical to AR, and its recorded profiles load for acceptance replay."""
+    from specjax.cli import main
+    from specjax.drafters import trained
+    from specjax.drafters.replay import load_profile
+    assert "smollm2-135m-block8" in trained.available()
+    assert main(["generate", "--drafter", "block", "--humaneval", "2", "--max-new-tokens", "24",
+                 "--compare-ar"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokens identical to AR") == 2
+    assert len(load_profile(trained.profile_path("smollm2-135m-block8"))) == 7
+    assert len(load_profile(trained.profile_path("smollm2-135m-block16"))) == 15

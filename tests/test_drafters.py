@@ -63,3 +63,16 @@ def test_layer_skip_shares_the_target_arrays():
     assert d.params.embed is params.embed and d.params.layers[1] is params.layers[1]
     with pytest.raises(ConfigError, match="layerskip"):
         layer_skip_drafter(params, cfg, 0, k=3)
+
+
+def test_pooled_tau_counts_rounds_not_prompts():
+    """A prompt that ends before its first verify round has no τ of its own: pooling rounds keeps
+    it from dragging the mean below 1 (a per-prompt mean would count it as 0)."""
+    from specjax.engine import GenerationResult, pooled_tau
+
+    def result(hist):
+        return GenerationResult(tokens=[[1]], margins=[[0.0]], prefill_s=0.0, decode_s=0.0, compile_s=0.0,
+                                steps=0, accepted_hist=np.asarray([hist]))
+    busy, idle = result([1, 0, 3]), result([0, 0, 0])  # 4 rounds: 1 + 3 * 3 tokens
+    assert pooled_tau([busy, idle]) == pytest.approx(10 / 4) == busy.tau
+    assert idle.tau == 1.0 and pooled_tau([]) == 1.0

@@ -177,8 +177,7 @@ class Search:
             spec_name=self.spec.name, deployment=self.spec.deployment.fingerprint(), config=m.config,
             config_delta={k: v for k, v in m.config.items() if stock.get(k) != v},
             measured={"tokens_per_s": m.tokens_per_s, "speedup": self._speedup(m), "runs": len(m.runs),
-                      "device": m.device,
-                      "acceptance": "replayed acceptance" if replayed(m.config) else "measured"},
+                      "device": m.device},
             predicted={"tokens_per_s": float(pred["tokens_per_s"][0]),
                        "speedup": float(pred["tokens_per_s"][0] / ar_pred["tokens_per_s"][0])},
             forcing={k: m.forcing[k] for k in ("checked", "expected", "failures", "near_ties", "tolerance")},
@@ -278,7 +277,8 @@ class Search:
             chosen = fresh[:self.spec.budget.measure_per_round]
             for c, m in zip(chosen, self._measure_many(chosen, incumbent.config)):
                 gain = self.state.evaluated[config_key(c)]["vs_incumbent"]
-                # replayed acceptance is an estimate, not a deployable drafter: reported, never promoted
+                # replayed acceptance is an estimate, not a deployable drafter: reported, never
+                # promoted, so never kept in the memory store either
                 if m.valid and gain is not None and gain > MIN_GAIN and not replayed(c):
                     winners.append(m)
         winners = self._combine(winners, incumbent)

@@ -1,0 +1,81 @@
+"""Width invariance: does a verify step over W tokens compute, bit for bit, what W AR steps compute?
+
+Speculative decoding is token-exact only if it does: the target's logits at a position must not
+depend on how many positions the step processed. `step_vs_ar` compares the residual stream after
+every layer and the logits, row by row; `ops_vs_width` checks the step's ops in isolation.
+On the kernel path (skinny GEMMs, fused attention) both must report no difference; XLA's bf16
+GEMMs do not promise it (benchmarks/exactness_h200.py runs this on a device).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.kv_cache import init_cache
+from specjax.models.transformer import forward_with_taps, lm_logits, rms_norm
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(jnp.asarray(x, jnp.float32))
+    return x.view(np.uint32)
+
+
+def step_vs_ar(params, cfg, width: int, prompt_len: int = 64) -> dict:
+    """Residual stream after each layer (and logits): verify over `width` tokens vs AR steps."""
+    taps = tuple(range(cfg.num_layers))
+    slots = -(-(prompt_len + width + 8) // 64) * 64
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, prompt_len)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
+    fwd = jax.jit(forward_with_taps, static_argnames=("cfg", "taps"))
+    _, _, cache = fwd(params, cfg, prompt, jnp.arange(prompt_len)[None], init_cache(cfg, 1, slots),
+                      jnp.zeros(1, jnp.int32))
+    start = jnp.array([prompt_len], jnp.int32)
+    hv, fv, _ = fwd(params, cfg, new, start[:, None] + jnp.arange(width)[None], cache, start, taps=taps)
+    lv = lm_logits(params, hv)
+    rows = []
+    c = cache
+    for j in range(width):
+        h, f, c = fwd(params, cfg, new[:, j:j + 1], start[:, None] + j, c, start + j, taps=taps)
+        rows.append((f, lm_logits(params, h)))
+    D = cfg.hidden_size
+    out = {"first_layer_differing": [], "logits_equal": [], "argmax_equal": []}
+    for j, (f, lg) in enumerate(rows):
+        differ = [li for li in range(cfg.num_layers)
+                  if not np.array_equal(bits(fv[0, j, li * D:(li + 1) * D]), bits(f[0, 0, li * D:(li + 1) * D]))]
+        out["first_layer_differing"].append(differ[0] if differ else None)
+        out["logits_equal"].append(bool(np.array_equal(bits(lv[0, j]), bits(lg[0, 0]))))
+        out["argmax_equal"].append(bool(jnp.argmax(lv[0, j]) == jnp.argmax(lg[0, 0])))
+    return out
+
+
+def ops_vs_width(params, cfg, width: int) -> dict:
+    """Each op of a layer at width W vs width 1 on the same rows (bitwise)."""
+    from specjax.models.linear import linear
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(0, 1, (1, width, cfg.hidden_size)), jnp.bfloat16)
+    layer = params.layers[0]
+    from specjax.models.rope import apply_rope, rope_cos_sin
+
+    def rope(x):  # positions 100 + j at width W; position 100 + j alone at width 1
+        pos = 100 + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        return apply_rope(x.reshape(1, x.shape[1], -1, cfg.head_dim), *rope_cos_sin(cfg, pos))
+
+    ops = {
+        "rms_norm": jax.jit(lambda x: rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)),
+        "w_qkv": jax.jit(lambda x: linear(x, layer.w_qkv)),
+        "w_gate_up": jax.jit(lambda x: linear(x, layer.w_gate_up)),
+        "lm_head": jax.jit(lambda x: lm_logits(params, x)),
+    }
+    out = {}
+    for name, f in ops.items():
+        wide = f(x)
+        out[name] = all(np.array_equal(bits(wide[:, j]), bits(f(x[:, j:j + 1])[:, 0])) for j in range(width))
+    # RoPE: row j of a width-W call sits at position 100 + j, so compare with a width-1 call there
+    wide = jax.jit(rope)(x)
+    one = jax.jit(lambda x, p: apply_rope(x.reshape(1, 1, -1, cfg.head_dim),
+                                          *rope_cos_sin(cfg, jnp.full((1, 1), p, jnp.int32))))
+    out["rope"] = all(np.array_equal(bits(wide[:, j]), bits(one(x[:, j:j + 1], 100 + j)[:, 0])) for j in range(width))
+    return out
