@@ -87,12 +87,13 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None,
                  min_prompt_bucket: int = 0, weights_format: dict[str, str] | None = None,
-                 kernel_tiles: str = "default", kernels: str = "auto"):
+                 kernel_tiles: str = "default", kernels: str = "auto", tree=None):
         """kernels: "auto" (XLA for now: on the H200 the Pallas kernels measured slower than XLA,
         docs/results/kernels_h200.md), "xla", "pallas" (the skinny GEMMs on a GPU: bit-identical
         AR and verify steps, 12-bit weights), or "interpret" (the kernels in Pallas interpret mode).
         weights_format: per group (attn, mlp, head) "bf16" or "lh12", read by the kernels; on XLA
-        the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned"."""
+        the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned".
+        tree: a `TreeShape` to verify trees of drafts instead of chains (greedy, block drafters)."""
         self.kernels = resolve_kernels(kernels, cfg)
         self.kernel_report = []
         if self.kernels != "xla":
@@ -101,6 +102,13 @@ class Decoder:
                 params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret")
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.k = 0 if drafter is None else drafter.k
+        self.tree = tree
+        if tree is not None:
+            if drafter is None:
+                raise ConfigError("tree verification needs a drafter")
+            from specjax.decoding.tree import check_tree_drafter
+            check_tree_drafter(drafter, tree, gen)
+            self.k = max(self.k, tree.num_nodes)  # cache room: a step writes every node
         # Pad every prompt batch to at least this length: one compiled shape for a whole prompt set
         # (the search's evaluator), at the price of a longer prefill and a few more cache slots.
         self.min_prompt_bucket = min_prompt_bucket
@@ -163,6 +171,15 @@ class Decoder:
             (cache, dstate, seqs), c1, prefill_s = self._run(
                 "chain_prefill", chain_prefill, dict(static, num_slots=num_slots), target=self.params,
                 drafter=self.drafter, prompt=prompt, prompt_len=prompt_len, key=key_p)
+        if self.drafter is not None and self.tree is not None:
+            if forced is not None:
+                raise NotImplementedError("token forcing of tree verification is not implemented yet")
+            from specjax.decoding.tree import tree_decode
+            (seqs, stats), c2, decode_s = self._run(
+                "tree_decode", tree_decode, dict(static, shape=self.tree), target=self.params,
+                drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs)
+            steps = int(np.max(np.asarray(stats.rounds)))
+        elif self.drafter is not None:
             if forced is not None:
                 from specjax.forcing import force_first_token
                 forced, seqs = force_first_token(forced, seqs)

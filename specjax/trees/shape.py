@@ -1,0 +1,77 @@
+"""A token tree's shape, fixed at trace time: node 0 is the pending token (the root), node i > 0 has
+parent `parents[i] < i` and is the `ranks[i]`-th child of it. Every array a step needs (depths,
+ancestor mask) follows from `parents`, so a shape is a hashable static argument of the jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    parents: tuple[int, ...]  # parents[0] == -1 (the root)
+
+    def __post_init__(self):
+        p = self.parents
+        if not p or p[0] != -1 or any(not 0 <= q < i for i, q in enumerate(p) if i):
+            raise ConfigError(f"tree parents must start with -1 and point to earlier nodes, got {list(p)}")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> np.ndarray:
+        d = np.zeros(self.num_nodes, np.int32)
+        for i in range(1, self.num_nodes):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """Sibling rank of each node (0 for the root): which of its parent's top choices it is."""
+        r, seen = np.zeros(self.num_nodes, np.int32), {}
+        for i in range(1, self.num_nodes):
+            r[i] = seen.get(self.parents[i], 0)
+            seen[self.parents[i]] = r[i] + 1
+        return r
+
+    @property
+    def ancestors(self) -> np.ndarray:
+        """[N, N] bool: ancestors[i, j] iff node j is node i or one of its ancestors."""
+        a = np.eye(self.num_nodes, dtype=bool)
+        for i in range(1, self.num_nodes):
+            a[i] |= a[self.parents[i]]
+        return a
+
+    @staticmethod
+    def chain(k: int) -> "TreeShape":
+        return TreeShape((-1,) + tuple(range(k)))
+
+    @staticmethod
+    def for_budget(nodes: int, depth: int) -> "TreeShape":
+        """`nodes` drafted nodes (root excluded) at most `depth` deep: the top-1 chain first, then
+        second, third, ... choices added level by level from the top (shallow alternatives are
+        the likeliest to be needed)."""
+        if nodes < 1 or depth < 1:
+            raise ConfigError(f"a tree needs >= 1 node and depth >= 1, got {nodes} nodes, depth {depth}")
+        parents = [-1]
+        chain = [0]
+        for _ in range(min(depth, nodes)):
+            parents.append(chain[-1])
+            chain.append(len(parents) - 1)
+        while len(parents) - 1 < nodes:
+            for d in range(min(depth, nodes)):  # one more alternative under each chain node, top down
+                if len(parents) - 1 == nodes:
+                    break
+                parents.append(chain[d])
+        return TreeShape(tuple(parents))
