@@ -65,7 +65,13 @@ def cmd_generate(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
     engine = dict(kernels=args.kernels, kernel_tiles=args.kernel_tiles,
                   weights_format={g: args.weights for g in ("attn", "mlp", "head")})
-    decoder = Decoder(target.cfg, target.params, gen, drafter, **engine)
+    tree = None
+    if args.tree is not None:
+        from specjax.trees.shape import TreeShape
+        if drafter is None:
+            raise ConfigError("--tree needs a drafter")
+        tree = TreeShape.for_budget(args.tree, args.k)
+    decoder = Decoder(target.cfg, target.params, gen, drafter, tree=tree, **engine)
     reference = Decoder(target.cfg, target.params, gen, **engine) if args.compare_ar and drafter else None
     if decoder.kernels != "xla":
         kept = [r for r in decoder.kernel_report if r.format != args.weights]
@@ -98,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay:PROFILE:LAYERS (acceptance replay) | PATH of a small model (default ngram)")
     g.add_argument("--k", type=int, help="draft tokens per round (default 4; with --drafter block, the "
                                          "shipped drafter's: 7)")
+    g.add_argument("--tree", type=int, metavar="N",
+                   help="verify a tree of N drafted nodes, at most k deep (greedy, block drafters)")
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help=".jsonl (strings or {\"prompt\": ...}) or text, one per line")
     g.add_argument("--humaneval", type=int, default=0, metavar="N", help="use the first N HumanEval prompts")

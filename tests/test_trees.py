@@ -115,3 +115,14 @@ def test_unsupported_combinations_are_refused():
         Decoder(cfg, params, GenerationConfig(max_new_tokens=4), NgramDrafter(k=3), tree=TreeShape.chain(2))
     with pytest.raises(ValueError, match="depth 5"):
         Decoder(cfg, params, GenerationConfig(max_new_tokens=4), block, tree=TreeShape.chain(5))
+
+
+def test_cli_tree_with_the_shipped_drafter(capsys):
+    """`specjax generate --drafter block --tree 12` on SmolLM2: tokens identical to AR; a drafter
+    without per-position distributions is refused with one line."""
+    from specjax.cli import main
+    assert main(["generate", "--drafter", "block", "--tree", "12", "--humaneval", "1",
+                 "--max-new-tokens", "16", "--compare-ar"]) == 0
+    assert "tokens identical to AR" in capsys.readouterr().out
+    assert main(["generate", "--drafter", "ngram", "--tree", "4", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "per-position draft distributions" in capsys.readouterr().err
