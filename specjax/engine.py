@@ -93,7 +93,7 @@ class Decoder:
         AR and verify steps, 12-bit weights), or "interpret" (the kernels in Pallas interpret mode).
         weights_format: per group (attn, mlp, head) "bf16" or "lh12", read by the kernels; on XLA
         the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned".
-        tree: a `TreeShape` to verify trees of drafts instead of chains (greedy, block drafters)."""
+        tree: a `TreeShape` to verify trees of drafts instead of chains (block drafters)."""
         self.kernels = resolve_kernels(kernels, cfg)
         self.kernel_report = []
         if self.kernels != "xla":
@@ -177,7 +177,7 @@ class Decoder:
             from specjax.decoding.tree import tree_decode
             (seqs, stats), c2, decode_s = self._run(
                 "tree_decode", tree_decode, dict(static, shape=self.tree), target=self.params,
-                drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs)
+                drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs, key=key_d)
             steps = int(np.max(np.asarray(stats.rounds)))
         elif self.drafter is not None:
             if forced is not None:

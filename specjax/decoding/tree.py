@@ -1,9 +1,9 @@
-"""Tree speculative decoding (greedy): the drafter's per-position distributions become a token tree
-of a static shape, the target verifies every node in one forward under the tree's visibility mask,
-and the longest path it agrees with is committed (its K/V moved to contiguous slots).
+"""Tree speculative decoding: the drafter's per-position distributions become a token tree of a
+static shape, the target verifies every node in one forward under the tree's visibility mask, and
+the path it accepts is committed (its K/V moved to contiguous slots). Greedy: the longest path the
+target agrees with; sampled: sequential candidate tests down the tree (exact in distribution).
 
 Drafters: those that give per-position draft logits in one forward (`block_logits`: block drafters).
-Sampled decoding over trees (multi-candidate rejection sampling) is not implemented yet.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
 from specjax.models.transformer import forward_with_taps, lm_logits
-from specjax.sampling import top2_margin
+from specjax.sampling import probabilities, top2_margin
 from specjax.trees.shape import TreeShape
-from specjax.trees.verify import commit_path, greedy_tree_accept, tree_mask, tree_tokens
+from specjax.trees.verify import commit_path, greedy_tree_accept, sampled_tree_accept, tree_mask, tree_tokens
 
 
 def check_tree_drafter(drafter, shape: TreeShape, gen: GenerationConfig) -> None:
-    if not gen.sampling.greedy:
-        raise NotImplementedError("tree verification is greedy only so far (multi-candidate rejection "
-                                  "sampling is not implemented)")
     if not hasattr(drafter, "block_logits"):
         raise NotImplementedError(f"tree verification needs per-position draft distributions (block "
                                   f"drafters); {type(drafter).__name__} has none")
@@ -36,7 +33,7 @@ def check_tree_drafter(drafter, shape: TreeShape, gen: GenerationConfig) -> None
 
 
 def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, gen: GenerationConfig,
-              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats):
+              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key):
     pos = seqs.length - 1  # the pending token's slot: the tree's root
     draft_logits = drafter.block_logits(dstate, seqs)[:, :shape.max_depth]
     tokens = tree_tokens(shape, seqs.pending(), draft_logits)  # [B, N]
@@ -45,7 +42,10 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, 
     taps = getattr(drafter, "taps", ())
     hidden, features, cache = forward_with_taps(target, cfg, tokens, positions, cache, pos, taps, mask)
     logits = lm_logits(target, hidden)  # [B, N, V]
-    num_accepted, path, out = greedy_tree_accept(shape, tokens, logits)
+    if gen.sampling.greedy:
+        num_accepted, path, out = greedy_tree_accept(shape, tokens, logits)
+    else:
+        num_accepted, path, out = sampled_tree_accept(shape, tokens, probabilities(logits, gen.sampling), key)
     cache = commit_path(cache, path, pos)
     if taps:  # the accepted path's features, at contiguous positions (the rest is never read)
         dstate = drafter.observe(dstate, jnp.take_along_axis(features, path[..., None], axis=1), pos)
@@ -60,13 +60,15 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "shape"))
-def tree_decode(target, cfg, drafter, gen, shape, cache, dstate, seqs):
+def tree_decode(target, cfg, drafter, gen, shape, cache, dstate, seqs, key):
     """Run tree steps until every row is done -> (sequences, stats)."""
     stats = ChainStats.zeros(seqs.length.shape[0], shape.max_depth)
 
     def body(carry):
-        cache, dstate, seqs, stats = carry
-        return tree_step(target, cfg, drafter, shape, gen, cache, dstate, seqs, stats)
+        cache, dstate, seqs, stats, key = carry
+        key, sub = jax.random.split(key)
+        return (*tree_step(target, cfg, drafter, shape, gen, cache, dstate, seqs, stats, sub), key)
 
-    _, _, seqs, stats = jax.lax.while_loop(lambda c: ~jnp.all(c[2].done), body, (cache, dstate, seqs, stats))
+    _, _, seqs, stats, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[2].done), body,
+                                              (cache, dstate, seqs, stats, key))
     return seqs, stats

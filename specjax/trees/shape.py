@@ -53,6 +53,17 @@ class TreeShape:
             a[i] |= a[self.parents[i]]
         return a
 
+    @property
+    def children(self) -> np.ndarray:
+        """[N, C] int32: each node's children in rank order, -1 past the last (C >= 1)."""
+        kids = [[] for _ in range(self.num_nodes)]
+        for i in range(1, self.num_nodes):
+            kids[self.parents[i]].append(i)
+        table = np.full((self.num_nodes, max(1, max(len(k) for k in kids))), -1, np.int32)
+        for n, k in enumerate(kids):
+            table[n, :len(k)] = k
+        return table
+
     @staticmethod
     def chain(k: int) -> "TreeShape":
         return TreeShape((-1,) + tuple(range(k)))

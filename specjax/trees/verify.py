@@ -1,4 +1,4 @@
-"""Greedy tree verification on the device: tree tokens from per-position draft logits, the target's
+"""Tree verification on the device (greedy, and sampled by sequential candidate tests): tree tokens from per-position draft logits, the target's
 visibility mask over the tree, the longest path the target agrees with, and its commit.
 
 Layout: node i of the tree sits at cache slot start + i during the verify forward (start = the
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.kv_cache import KVCache
+from specjax.sampling import sample_from
 from specjax.trees.shape import TreeShape
 
 
@@ -61,6 +62,54 @@ def greedy_tree_accept(shape: TreeShape, tokens: jax.Array, target_logits: jax.A
     out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(bonus[:, None])], axis=1)
     out = out.at[jnp.arange(out.shape[0]), num_accepted].set(bonus)
     return num_accepted.astype(jnp.int32), path, out
+
+
+def sampled_tree_accept(shape: TreeShape, tokens: jax.Array, target_probs: jax.Array, key: jax.Array):
+    """Sampling that keeps the target distribution exactly, with several candidates per node.
+
+    Walk down from the root. At node u (target distribution p after u's path), test u's children
+    in rank order, each a fixed candidate: accept child c with probability r(t_c) / sum(r), where
+    r starts as p and loses each rejected candidate's token. So token t_j comes out with
+    probability p(t_j) (the product telescopes), and if every child is rejected the next token is
+    drawn from r normalized: every other token also with probability p. An accepted child becomes
+    u; a rejection or a leaf ends the walk with that draw as the target's own token. Children must
+    hold distinct tokens (the top-k ranks do). Same outputs as `greedy_tree_accept`."""
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    kids_of = jnp.asarray(shape.children)  # [N, C]
+    cur = jnp.zeros(B, jnp.int32)
+    stopped = jnp.zeros(B, bool)
+    bonus = jnp.zeros(B, jnp.int32)
+    path = [cur]
+    keys = jax.random.split(key, shape.max_depth + 1)
+    for level in range(shape.max_depth):
+        k_test, k_draw = jax.random.split(keys[level])
+        u = jax.random.uniform(k_test, (B, kids_of.shape[1]))
+        residual = target_probs[rows, cur]  # [B, V]
+        chosen = jnp.full(B, -1, jnp.int32)
+        for j in range(kids_of.shape[1]):
+            c = kids_of[cur, j]
+            live = (c >= 0) & (chosen < 0) & ~stopped
+            t = tokens[rows, jnp.maximum(c, 0)]
+            r_t = residual[rows, t]
+            take = live & (u[:, j] * jnp.sum(residual, axis=-1) < r_t)
+            chosen = jnp.where(take, c, chosen)
+            residual = jnp.where((live & ~take)[:, None], residual.at[rows, t].set(0.0), residual)
+        stop = ~stopped & (chosen < 0)
+        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        # mass 0 only if p sat entirely on rejected candidates (probability 0): keep p to stay finite
+        residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), target_probs[rows, cur])
+        bonus = jnp.where(stop, sample_from(residual, k_draw), bonus)
+        stopped = stopped | stop
+        cur = jnp.where(stopped, cur, chosen)
+        path.append(cur)
+    at_leaf = ~stopped  # walked the whole depth: the leaf's own distribution gives the next token
+    bonus = jnp.where(at_leaf, sample_from(target_probs[rows, cur], keys[-1]), bonus)
+    path = jnp.stack(path, axis=1)  # [B, D + 1]
+    num_accepted = jnp.asarray(shape.depths)[cur].astype(jnp.int32)
+    path_tokens = jnp.take_along_axis(tokens, path, axis=1)
+    out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(bonus[:, None])], axis=1)
+    return num_accepted, path, out.at[rows, num_accepted].set(bonus)
 
 
 def commit_path(cache: KVCache, path: jax.Array, start: jax.Array) -> KVCache:
