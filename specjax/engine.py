@@ -171,21 +171,19 @@ class Decoder:
             (cache, dstate, seqs), c1, prefill_s = self._run(
                 "chain_prefill", chain_prefill, dict(static, num_slots=num_slots), target=self.params,
                 drafter=self.drafter, prompt=prompt, prompt_len=prompt_len, key=key_p)
-        if self.drafter is not None and self.tree is not None:
-            if forced is not None:
-                raise NotImplementedError("token forcing of tree verification is not implemented yet")
-            from specjax.decoding.tree import tree_decode
-            (seqs, stats), c2, decode_s = self._run(
-                "tree_decode", tree_decode, dict(static, shape=self.tree), target=self.params,
-                drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs, key=key_d)
-            steps = int(np.max(np.asarray(stats.rounds)))
-        elif self.drafter is not None:
+        if self.drafter is not None:
             if forced is not None:
                 from specjax.forcing import force_first_token
                 forced, seqs = force_first_token(forced, seqs)
-            (seqs, stats, forced), c2, decode_s = self._run(
-                "chain_decode", chain_decode, static, target=self.params, drafter=self.drafter,
-                cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
+            if self.tree is not None:
+                from specjax.decoding.tree import tree_decode
+                (seqs, stats, forced), c2, decode_s = self._run(
+                    "tree_decode", tree_decode, dict(static, shape=self.tree), target=self.params,
+                    drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
+            else:
+                (seqs, stats, forced), c2, decode_s = self._run(
+                    "chain_decode", chain_decode, static, target=self.params, drafter=self.drafter,
+                    cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
             steps = int(np.max(np.asarray(stats.rounds)))
         compile_s = c1 + c2
         tokens_np = np.asarray(seqs.tokens)

@@ -19,7 +19,7 @@ from specjax.engine import Decoder
 from specjax.errors import ConfigError
 from specjax.models.loading import LoadedModel
 from specjax.search.evaluate import Evaluator
-from specjax.search.registry import REGISTRY, drafter_variant
+from specjax.search.registry import PILOT_K, REGISTRY, drafter_variant, pilot_k
 from specjax.search.report import replayed
 
 BLOCK = {"drafter.kind": "block", "drafter.k": 3, "drafter.block": "random", "drafter.block_layers": 2}
@@ -36,6 +36,9 @@ def test_registry_spells_and_features():
     assert REGISTRY.features(REPLAY)["draft_kind"] == 4.0
     assert REGISTRY.apply(REPLAY) == {**REGISTRY.apply(REPLAY), "drafter": "replay:smollm2-135m-block8:1", "k": 3}
     assert replayed(REPLAY) and not replayed(BLOCK)
+    # a trained block drafter fixes k, so its acceptance pilot runs at that k
+    assert pilot_k(dict(BLOCK, **{"drafter.block": "trained", "drafter.k": 7})) == 7
+    assert pilot_k(BLOCK) == pilot_k(REPLAY) == PILOT_K
 
 
 def test_factory_errors_name_what_is_missing():

@@ -122,3 +122,36 @@ def test_cli_tree_with_the_shipped_drafter(capsys):
     assert "tokens identical to AR" in capsys.readouterr().out
     assert main(["generate", "--drafter", "ngram", "--tree", "4", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     assert "per-position draft distributions" in capsys.readouterr().err
+
+
+def test_token_forcing_passes_trees_and_catches_a_broken_one(monkeypatch):
+    """The forcing harness (forcing.py) over trees: zero failures on random block drafters and the
+    oracle; a tree rule that commits the drafted path without checking it is caught."""
+    import specjax.decoding.tree as tree_module
+    from specjax.forcing import check_token_forcing
+    from specjax.trees import verify
+    cfg, params = tiny_model(seed=8, scale=0.3)
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (4, 9)]
+    gen = GenerationConfig(max_new_tokens=20)
+    ref = Decoder(cfg, params, gen).generate(prompts)
+    drafter = init_block_drafter(params, cfg, jax.random.PRNGKey(1), 5, 1)
+    for shape in (TreeShape.for_budget(12, 4), TreeShape((-1, 0, 0, 0))):
+        report = check_token_forcing(Decoder(cfg, params, gen, drafter, tree=shape), prompts, ref, tolerance=0.0)
+        assert report.passed and report.checked > 0, report.summary()
+
+    def trusting(shape, tokens, logits):  # accepts the top-1 spine unchecked
+        n, path, out = verify.greedy_tree_accept(shape, tokens, logits)
+        spine = jnp.asarray([0] + [i for i in range(1, shape.num_nodes) if shape.ranks[i] == 0][:shape.max_depth])
+        full = jnp.full_like(n, shape.max_depth)
+        out = jnp.concatenate([tokens[:, spine[1:]], out[:, -1:]], axis=1)
+        return full, jnp.broadcast_to(spine, path.shape), out
+    monkeypatch.setattr(tree_module, "greedy_tree_accept", trusting)
+    jax.clear_caches()
+    try:
+        report = check_token_forcing(Decoder(cfg, params, gen, drafter, tree=TreeShape.chain(4)), prompts, ref,
+                                     tolerance=0.0)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert not report.passed

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import ChainStats
+from specjax.decoding.chain import ChainStats, Forced, force
 from specjax.decoding.sequences import GenerationConfig, Sequences, commit
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
@@ -33,7 +33,7 @@ def check_tree_drafter(drafter, shape: TreeShape, gen: GenerationConfig) -> None
 
 
 def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, gen: GenerationConfig,
-              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key):
+              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None):
     pos = seqs.length - 1  # the pending token's slot: the tree's root
     draft_logits = drafter.block_logits(dstate, seqs)[:, :shape.max_depth]
     tokens = tree_tokens(shape, seqs.pending(), draft_logits)  # [B, N]
@@ -55,20 +55,24 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, 
         accepted_hist=stats.accepted_hist + (
             active[:, None] & (num_accepted[:, None] == jnp.arange(shape.max_depth + 1)[None, :])))
     margins = jnp.take_along_axis(top2_margin(logits), path, axis=1)
-    seqs = commit(seqs, out, num_accepted + 1, gen, margins=margins)
-    return cache, dstate, seqs, stats
+    limit = None
+    if forced is not None:  # as in chain_step: the reference is committed up to the first difference
+        forced, out, num_accepted = force(forced, seqs, out, num_accepted)
+        limit = forced.ref_length
+    seqs = commit(seqs, out, num_accepted + 1, gen, margins=margins, limit=limit)
+    return cache, dstate, seqs, stats, forced
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "shape"))
-def tree_decode(target, cfg, drafter, gen, shape, cache, dstate, seqs, key):
-    """Run tree steps until every row is done -> (sequences, stats)."""
+def tree_decode(target, cfg, drafter, gen, shape, cache, dstate, seqs, key, forced=None):
+    """Run tree steps until every row is done -> (sequences, stats, forced)."""
     stats = ChainStats.zeros(seqs.length.shape[0], shape.max_depth)
 
     def body(carry):
-        cache, dstate, seqs, stats, key = carry
+        cache, dstate, seqs, stats, forced, key = carry
         key, sub = jax.random.split(key)
-        return (*tree_step(target, cfg, drafter, shape, gen, cache, dstate, seqs, stats, sub), key)
+        return (*tree_step(target, cfg, drafter, shape, gen, cache, dstate, seqs, stats, sub, forced), key)
 
-    _, _, seqs, stats, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[2].done), body,
-                                              (cache, dstate, seqs, stats, key))
-    return seqs, stats
+    _, _, seqs, stats, forced, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[2].done), body,
+                                                      (cache, dstate, seqs, stats, forced, key))
+    return seqs, stats, forced

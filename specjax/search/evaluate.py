@@ -28,7 +28,7 @@ from specjax.drafters.factory import make_drafter
 from specjax.engine import Decoder
 from specjax.forcing import check_token_forcing
 from specjax.models.loading import LoadedModel
-from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant
+from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant, pilot_k
 
 STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default"}
 
@@ -284,9 +284,10 @@ class Evaluator(Plan):
                           f"{first[1]}: {first[2]} vs {first[3]} (margin {first[4]:.3g})")
         return m
 
-    def acceptance_profile(self, config: dict, pilot_k: int = 8) -> np.ndarray:
-        """Conditional per-position acceptance of a drafter variant, from one run at k = pilot_k."""
-        cfg = dict(config, **{"drafter.k": pilot_k})
+    def acceptance_profile(self, config: dict, pilot: int | None = None) -> np.ndarray:
+        """Conditional per-position acceptance of a drafter variant, from one run at k = `pilot`
+        (default: the registry's pilot k for it)."""
+        cfg = dict(config, **{"drafter.k": pilot_k(config) if pilot is None else pilot})
         if cfg.get("drafter.kind", "none") == "none":
             return np.zeros(32)
         self.measurements += 1

@@ -28,7 +28,7 @@ import numpy as np
 from specjax.atomic import read_json_checked, write_json_atomic
 from specjax.costmodel.model import predict
 from specjax.search.evaluate import Evaluator, Measurement, cost_inputs
-from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant
+from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant, pilot_k
 from specjax.search.report import replayed
 from specjax.search.spec import SearchSpec
 
@@ -211,7 +211,7 @@ class Search:
                           f"AR step, host {self.ev.device.host_per_token * 1e6:.1f} us per token")
         pending = [c for c in self._variants() if drafter_variant(c) not in self.state.profiles]
         if hasattr(self.ev, "prepare"):  # compile every pilot at once
-            self.ev.prepare([dict(c, **{"drafter.k": 8}) for c in pending])
+            self.ev.prepare([dict(c, **{"drafter.k": pilot_k(c)}) for c in pending])
         for c in self._variants():
             v = drafter_variant(c)
             if v not in self.state.profiles:

@@ -119,6 +119,17 @@ def _draft_layers(config: dict) -> float:
     return float(config.get("drafter.layers", 0))
 
 
+PILOT_K = 8  # draft length of the acceptance pilots
+
+
+def pilot_k(config: dict) -> int:
+    """k of a variant's acceptance pilot: PILOT_K, or the config's own k where the drafter fixes it
+    (a trained block drafter proposes exactly its block size - 1)."""
+    if config.get("drafter.kind") == "block" and config.get("drafter.block", "trained") == "trained":
+        return int(config.get("drafter.k", PILOT_K))
+    return PILOT_K
+
+
 def drafter_variant(config: dict) -> str:
     """What determines per-position acceptance (k does not, for greedy chains): kind + its size."""
     return _drafter_spelling(config) or "none"
