@@ -19,6 +19,7 @@ from specjax.engine import Decoder
 from specjax.errors import ConfigError
 from specjax.models.loading import LoadedModel
 from specjax.search.evaluate import Evaluator
+from specjax.search.evaluate import engine_changes
 from specjax.search.registry import PILOT_K, REGISTRY, drafter_variant, pilot_k
 from specjax.search.report import replayed
 
@@ -39,6 +40,12 @@ def test_registry_spells_and_features():
     # a trained block drafter fixes k, so its acceptance pilot runs at that k
     assert pilot_k(dict(BLOCK, **{"drafter.block": "trained", "drafter.k": 7})) == 7
     assert pilot_k(BLOCK) == pilot_k(REPLAY) == PILOT_K
+    # trees: block drafters only; a tree is its own acceptance variant and an engine change
+    tree = dict(BLOCK, **{"tree.nodes": 6})
+    assert drafter_variant(tree) == "block:random:2+tree6" and REGISTRY.features(tree)["tree_nodes"] == 6.0
+    assert engine_changes(tree)["tree"].parents == (-1, 0, 1, 2, 0, 1, 2)
+    assert REGISTRY.features(dict(REPLAY, **{"tree.nodes": 6}))["tree_nodes"] == 0.0
+    assert engine_changes(BLOCK) == {}
 
 
 def test_factory_errors_name_what_is_missing():
@@ -93,3 +100,5 @@ def test_evaluator_measures_and_gates_block_and_replay(evaluator, tmp_path, monk
     replay = evaluator.gate(evaluator.measure(REPLAY, runs=1)[0])
     assert replay.valid, replay.rejected
     assert replay.tau > 1.5 > block.tau  # borrowed acceptance on a target no drafter agrees with
+    tree = evaluator.gate(evaluator.measure(dict(BLOCK, **{"tree.nodes": 6}), runs=1)[0])
+    assert tree.valid, tree.rejected  # measured and gated by token forcing over trees

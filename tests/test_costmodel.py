@@ -98,3 +98,13 @@ def test_block_draft_is_one_block_forward_plus_the_context_injection(kind):
     deeper = predict(DIMS, DEV, [3], [kind], [4], alpha(1.0))
     assert deeper["component_time"][0, 1] > p["component_time"][0, 1]
     assert p["tokens_per_step"][0] == pytest.approx(4.0)
+
+
+def test_tree_verify_reads_once_over_all_nodes_and_counts_depth():
+    # k = 3, a tree of 12 drafted nodes: one verify over 13 tokens (13 x 12 MFLOP = 156 MFLOP:
+    # 15.6 ms compute-bound vs 12 ms of reads); acceptance counted to depth min(k, N) = 3
+    p = predict(DIMS, DEV, [3], [3], [2], alpha(1.0), tree_nodes=[12])
+    assert p["component_time"][0, 0] == pytest.approx(1e-3 + 156e6 / 1e10)
+    assert p["tokens_per_step"][0] == pytest.approx(4.0)
+    chain = predict(DIMS, DEV, [3], [3], [2], alpha(1.0))
+    assert chain["component_time"][0, 0] == pytest.approx(1e-3 + 12e6 / 1e9)

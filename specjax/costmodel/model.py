@@ -125,15 +125,19 @@ def _block_draft_time(dims: ModelDims, dev: DeviceModel, layers, k, peak: bool, 
             _forward_time(no_head, dev, layers, k + 1, peak, wp))
 
 
-def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned):
+def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, tree_nodes):
     """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
     3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
     bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag)."""
     wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
     speculative = kind > 0
     k = jnp.where(speculative, k, 0)
-    verify = _forward_time(dims, dev, dims.num_layers, k + 1, False, wp)
-    verify_floor = _forward_time(dims, dev, dims.num_layers, k + 1, True, wp)
+    # a tree of N drafted nodes: one verify over N + 1 tokens; its acceptance profile is per depth,
+    # at most min(k, N) deep
+    width = jnp.where(tree_nodes > 0, tree_nodes, k) + 1
+    depth = jnp.where(tree_nodes > 0, jnp.minimum(k, tree_nodes), k)
+    verify = _forward_time(dims, dev, dims.num_layers, width, False, wp)
+    verify_floor = _forward_time(dims, dev, dims.num_layers, width, True, wp)
     # layer-skip: one width-2 catch-up forward, then k - 1 width-1 forwards of the first K layers
     # (the target's own layers and head, so the same weight formats)
     ls = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, False, wp) +
@@ -145,7 +149,7 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     draft = jnp.select([kind == 1, kind == 2, kind >= 3], [dev.step_overhead * 0.25, ls, block], 0.0)
     draft_floor = jnp.select([kind == 2, kind >= 3], [ls_floor, block_floor], 0.0)
     commit = jnp.where(speculative, dev.round_overhead, dev.round_overhead * 0.5)
-    tokens = jnp.where(speculative, expected_tokens(alpha, k), 1.0)
+    tokens = jnp.where(speculative, expected_tokens(alpha, depth), 1.0)
     host = tokens * dev.host_per_token  # paid per token, so per step it scales with tokens per step
     times = jnp.stack([verify, draft, commit, host])
     floors = jnp.stack([verify_floor, draft_floor, 0.0 * commit, 0.0 * host])
@@ -158,9 +162,10 @@ _COMPILED: dict = {}
 
 
 def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
-            tuned=None) -> dict:
+            tuned=None, tree_nodes=None) -> dict:
     """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
-    bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles)
+    bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); tree_nodes
+    [C] (default 0: chains)
     -> dict of [C] / [C, 4] arrays. One jit(vmap) per (model, device); thousands of candidates
     cost one call."""
     c = len(np.atleast_1d(k))
@@ -168,12 +173,13 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     bytes_factor = np.ones((c, groups)) if bytes_factor is None else bytes_factor
     lh12 = np.zeros((c, groups)) if lh12 is None else lh12
     tuned = np.zeros(c) if tuned is None else tuned
+    tree_nodes = np.zeros(c) if tree_nodes is None else tree_nodes
     if (dims, dev) not in _COMPILED:
         _COMPILED[dims, dev] = jax.jit(jax.vmap(lambda *a: _one(dims, dev, *a)))
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),
                                jnp.asarray(layers, jnp.float32), jnp.asarray(alpha, jnp.float32),
                                jnp.asarray(bytes_factor, jnp.float32), jnp.asarray(lh12, jnp.float32),
-                               jnp.asarray(tuned, jnp.float32))
+                               jnp.asarray(tuned, jnp.float32), jnp.asarray(tree_nodes, jnp.float32))
     return jax.tree.map(np.asarray, out)
 
 

@@ -30,7 +30,7 @@ from specjax.forcing import check_token_forcing
 from specjax.models.loading import LoadedModel
 from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant, pilot_k
 
-STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default"}
+STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default", "tree": None}
 
 
 @dataclasses.dataclass
@@ -80,6 +80,7 @@ def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[st
     k, kind, layers, alpha = candidate_arrays(configs, profiles)
     feats = [REGISTRY.features(c) for c in configs]
     return dict(k=k, kind=kind, layers=layers, alpha=alpha,
+                tree_nodes=np.array([f["tree_nodes"] for f in feats]),
                 bytes_factor=np.array([[f[f"weights_{g}_bytes"] for g in WEIGHT_GROUPS] for f in feats]),
                 lh12=np.array([[f[f"weights_{g}_lh12"] for g in WEIGHT_GROUPS] for f in feats]),
                 tuned=np.array([f["kernels_tuned"] for f in feats]))

@@ -131,8 +131,16 @@ def pilot_k(config: dict) -> int:
 
 
 def drafter_variant(config: dict) -> str:
-    """What determines per-position acceptance (k does not, for greedy chains): kind + its size."""
-    return _drafter_spelling(config) or "none"
+    """What determines per-position acceptance (k does not, for greedy chains): kind + its size,
+    and the tree's node budget when it verifies trees."""
+    nodes = tree_nodes(config)
+    return (_drafter_spelling(config) or "none") + (f"+tree{nodes}" if nodes else "")
+
+
+def tree_nodes(config: dict) -> int:
+    """Drafted nodes of the verified tree; 0: a chain (trees need per-position draft distributions:
+    block drafters)."""
+    return int(config.get("tree.nodes", 0)) if config.get("drafter.kind") == "block" else 0
 
 
 REGISTRY.register(Mechanism(
@@ -167,6 +175,29 @@ REGISTRY.register(Mechanism(
     apply=lambda c: {"drafter": _drafter_spelling(c),
                      "k": int(c.get("drafter.k", 0)) if c.get("drafter.kind", "none") != "none" else 0},
     doc="which proposer drafts, and how many tokens per step",
+))
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _tree_shape(config: dict):
+    nodes = tree_nodes(config)
+    if not nodes:
+        return None
+    from specjax.trees.shape import TreeShape
+    return TreeShape.for_budget(nodes, int(config.get("drafter.k", PILOT_K)))
+
+
+REGISTRY.register(Mechanism(
+    name="tree",
+    params=(ParamDef("tree.nodes", "int", low=0, high=64, default=0,
+                     doc="verify a tree of this many drafted nodes (the top-1 chain plus alternatives, "
+                         "TreeShape.for_budget) instead of a chain; 0: a chain. Block drafters",
+                     components=("verify", "commit")),),
+    component="verify",
+    features=lambda c: {"tree_nodes": float(tree_nodes(c))},
+    apply=lambda c: {"tree": _tree_shape(c)},
+    doc="tree verification: one target forward over the tree's nodes, the longest agreeing path kept",
 ))
 
 # ----------------------------------------------------------------------------- weights
