@@ -88,17 +88,24 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
         num_accepted, out = greedy_accept(draft, logits)
     else:
         num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v)
+    seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, top2_margin(logits))
+    return cache, dstate, seqs, stats, forced
+
+
+def finish_round(gen: GenerationConfig, seqs: Sequences, stats: ChainStats, forced: Forced | None,
+                 out, num_accepted, margins):
+    """The end of a verify step, chain or tree: count the round, let token forcing replace what
+    differs from the reference, and commit out[:, :num_accepted + 1]."""
     active = ~seqs.done
     stats = ChainStats(
         rounds=stats.rounds + active,
         accepted_hist=stats.accepted_hist + (
-            active[:, None] & (num_accepted[:, None] == jnp.arange(k + 1)[None, :])))
+            active[:, None] & (num_accepted[:, None] == jnp.arange(out.shape[1])[None, :])))
     limit = None
     if forced is not None:
         forced, out, num_accepted = force(forced, seqs, out, num_accepted)
         limit = forced.ref_length
-    seqs = commit(seqs, out, num_accepted + 1, gen, margins=top2_margin(logits), limit=limit)
-    return cache, dstate, seqs, stats, forced
+    return commit(seqs, out, num_accepted + 1, gen, margins=margins, limit=limit), stats, forced
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))

@@ -13,8 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import ChainStats, Forced, force
-from specjax.decoding.sequences import GenerationConfig, Sequences, commit
+from specjax.decoding.chain import ChainStats, Forced, finish_round
+from specjax.decoding.sequences import GenerationConfig, Sequences
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
@@ -49,17 +49,8 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, 
     cache = commit_path(cache, path, pos)
     if taps:  # the accepted path's features, at contiguous positions (the rest is never read)
         dstate = drafter.observe(dstate, jnp.take_along_axis(features, path[..., None], axis=1), pos)
-    active = ~seqs.done
-    stats = ChainStats(
-        rounds=stats.rounds + active,
-        accepted_hist=stats.accepted_hist + (
-            active[:, None] & (num_accepted[:, None] == jnp.arange(shape.max_depth + 1)[None, :])))
     margins = jnp.take_along_axis(top2_margin(logits), path, axis=1)
-    limit = None
-    if forced is not None:  # as in chain_step: the reference is committed up to the first difference
-        forced, out, num_accepted = force(forced, seqs, out, num_accepted)
-        limit = forced.ref_length
-    seqs = commit(seqs, out, num_accepted + 1, gen, margins=margins, limit=limit)
+    seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, margins)
     return cache, dstate, seqs, stats, forced
 
 
