@@ -67,10 +67,11 @@ def cmd_generate(args) -> int:
                   weights_format={g: args.weights for g in ("attn", "mlp", "head")})
     tree = None
     if args.tree is not None:
-        from specjax.trees.shape import TreeShape
+        from specjax.decoding.tree import default_builder
+        from specjax.trees.builders import TreeSpec
         if drafter is None:
             raise ConfigError("--tree needs a drafter")
-        tree = TreeShape.for_budget(args.tree, args.k)
+        tree = TreeSpec.budget(args.tree_builder or default_builder(drafter), args.tree, args.k)
     decoder = Decoder(target.cfg, target.params, gen, drafter, tree=tree, **engine)
     reference = Decoder(target.cfg, target.params, gen, **engine) if args.compare_ar and drafter else None
     if decoder.kernels != "xla":
@@ -105,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, help="draft tokens per round (default 4; with --drafter block, the "
                                          "shipped drafter's: 7)")
     g.add_argument("--tree", type=int, metavar="N",
-                   help="verify a tree of N drafted nodes, at most k deep (greedy, block drafters)")
+                   help="verify a tree of N drafted nodes, at most k deep, instead of a chain (any drafter "
+                        "but replay; greedy or sampled)")
+    g.add_argument("--tree-builder", choices=["static", "best_first", "topk"],
+                   help="how --tree spends its nodes: static (TreeShape.for_budget: the top-1 chain plus "
+                        "alternatives top down), best_first (the N likeliest paths, per row and step), topk "
+                        "(the drafter's chain plus its likeliest alternatives). Default: best_first for block "
+                        "drafters, topk for AR drafters")
     g.add_argument("--prompt")
     g.add_argument("--prompts-file", help=".jsonl (strings or {\"prompt\": ...}) or text, one per line")
     g.add_argument("--humaneval", type=int, default=0, metavar="N", help="use the first N HumanEval prompts")

@@ -93,7 +93,9 @@ class Decoder:
         AR and verify steps, 12-bit weights), or "interpret" (the kernels in Pallas interpret mode).
         weights_format: per group (attn, mlp, head) "bf16" or "lh12", read by the kernels; on XLA
         the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned".
-        tree: a `TreeShape` to verify trees of drafts instead of chains (block drafters)."""
+        tree: verify trees of drafts instead of chains: a `TreeSpec` (builder, node budget, depth;
+        specjax/trees/builders.py) or a `TreeShape` (the static builder), any drafter with
+        per-position distributions (block_logits or propose_logits)."""
         self.kernels = resolve_kernels(kernels, cfg)
         self.kernel_report = []
         if self.kernels != "xla":
@@ -103,13 +105,15 @@ class Decoder:
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         # drafted tokens one step writes past the committed length: cache and buffer room
         self.overshoot = 0 if drafter is None else drafter.k
-        self.tree = tree
+        self.tree = None
         if tree is not None:
             if drafter is None:
                 raise ConfigError("tree verification needs a drafter")
             from specjax.decoding.tree import check_tree_drafter
-            check_tree_drafter(drafter, tree, gen)
-            self.overshoot = max(self.overshoot, tree.num_nodes)  # a tree step writes every node
+            from specjax.trees.builders import as_tree_spec
+            self.tree = as_tree_spec(tree)
+            check_tree_drafter(drafter, self.tree, gen)
+            self.overshoot = max(self.overshoot, self.tree.num_nodes)  # a tree step writes every node
         # Pad every prompt batch to at least this length: one compiled shape for a whole prompt set
         # (the search's evaluator), at the price of a longer prefill and a few more cache slots.
         self.min_prompt_bucket = min_prompt_bucket
@@ -179,7 +183,7 @@ class Decoder:
             if self.tree is not None:
                 from specjax.decoding.tree import tree_decode
                 (seqs, stats, forced), c2, decode_s = self._run(
-                    "tree_decode", tree_decode, dict(static, shape=self.tree), target=self.params,
+                    "tree_decode", tree_decode, dict(static, tree=self.tree), target=self.params,
                     drafter=self.drafter, cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
             else:
                 (seqs, stats, forced), c2, decode_s = self._run(

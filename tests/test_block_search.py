@@ -40,12 +40,22 @@ def test_registry_spells_and_features():
     # a trained block drafter fixes k, so its acceptance pilot runs at that k
     assert pilot_k(dict(BLOCK, **{"drafter.block": "trained", "drafter.k": 7})) == 7
     assert pilot_k(BLOCK) == pilot_k(REPLAY) == PILOT_K
-    # trees: block drafters only; a tree is its own acceptance variant and an engine change
+    # trees: every drafter with distributions (not replay); a tree (nodes and builder) is its own
+    # acceptance variant and an engine change
     tree = dict(BLOCK, **{"tree.nodes": 6})
     assert drafter_variant(tree) == "block:random:2+tree6" and REGISTRY.features(tree)["tree_nodes"] == 6.0
-    assert engine_changes(tree)["tree"].parents == (-1, 0, 1, 2, 0, 1, 2)
+    assert engine_changes(tree)["tree"].shape.parents == (-1, 0, 1, 2, 0, 1, 2)
     assert REGISTRY.features(dict(REPLAY, **{"tree.nodes": 6}))["tree_nodes"] == 0.0
     assert engine_changes(BLOCK) == {}
+    ngram = {"drafter.kind": "ngram", "drafter.k": 4, "tree.nodes": 16, "tree.builder": "topk"}
+    assert drafter_variant(ngram) == "ngram:3+tree16:topk" and REGISTRY.features(ngram)["tree_nodes"] == 16.0
+    spec = engine_changes(ngram)["tree"]
+    assert (spec.builder, spec.nodes, spec.max_depth) == ("topk", 16, 4)
+    from specjax.search.registry import TREE_BUILDERS
+    from specjax.trees.builders import BUILDERS
+    assert TREE_BUILDERS == BUILDERS  # the registry spells them without importing jax code
+    best = dict(BLOCK, **{"tree.nodes": 2, "tree.builder": "best_first"})
+    assert drafter_variant(best) == "block:random:2+tree2:best_first" and engine_changes(best)["tree"].max_depth == 2
 
 
 def test_factory_errors_name_what_is_missing():
@@ -100,5 +110,6 @@ def test_evaluator_measures_and_gates_block_and_replay(evaluator, tmp_path, monk
     replay = evaluator.gate(evaluator.measure(REPLAY, runs=1)[0])
     assert replay.valid, replay.rejected
     assert replay.tau > 1.5 > block.tau  # borrowed acceptance on a target no drafter agrees with
-    tree = evaluator.gate(evaluator.measure(dict(BLOCK, **{"tree.nodes": 6}), runs=1)[0])
+    tree = evaluator.gate(evaluator.measure(dict(BLOCK, **{"tree.nodes": 6, "tree.builder": "best_first"}),
+                                            runs=1)[0])
     assert tree.valid, tree.rejected  # measured and gated by token forcing over trees

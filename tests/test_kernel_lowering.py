@@ -74,3 +74,17 @@ def test_decode_attention_lowers_for_cuda(t):
     f = lambda q, k, v, m, n: decode_attention(q, k, v, m, n, AttentionConfig())
     module = lower_for_cuda(f, q, kv, kv, mask, jnp.array([S], jnp.int32))
     assert "decode_attention" in module and "xla.gpu.triton" in module
+
+
+@pytest.mark.parametrize("n,depth", [(1, 0), (17, 5), (33, 32)])
+def test_tree_gdn_lowers_for_cuda(n, depth):
+    from pallas_kernels.tree_gdn import TreeGDNConfig, tree_gdn
+    B, H, dk, dv = 1, 2, 128, 128
+    f32 = jnp.float32
+    state = jnp.ones((B, H, dk, dv), f32)
+    qk = jnp.ones((B, n, H, dk), f32)
+    gb = jnp.ones((B, n, H), f32)
+    anc = jnp.ones((B, n, n), bool)
+    f = lambda s, q, k, v, g, b, a: tree_gdn(s, q, k, v, g, b, a, depth, TreeGDNConfig())
+    module = lower_for_cuda(f, state, qk, qk, jnp.ones((B, n, H, dv), f32), gb, gb, anc)
+    assert "tree_gdn" in module and "xla.gpu.triton" in module

@@ -1,6 +1,7 @@
-"""Tree verification (block drafters): shapes, masks, acceptance on hand-made logits, and the
-engine token-exact against AR (greedy; sampled trees: tests/test_sampling_exactness.py) for chains, single nodes, all-sibling and budgeted trees; an
-oracle drafter whose right tokens are only ever second choices proves that accepted side branches
+"""Tree verification with static shapes (block drafters): shapes, masks, acceptance on hand-made
+logits, and the engine token-exact against AR (greedy; sampled trees: tests/test_sampling_exactness.py;
+builders and other drafters: tests/test_tree_builders.py) for chains, single nodes, all-sibling and
+budgeted trees; an oracle drafter whose right tokens are only ever second choices proves that accepted side branches
 are committed correctly (their K/V moved), not just that chains still work."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from specjax.engine import Decoder
 from specjax.errors import ConfigError
 from specjax.models.kv_cache import read_rows
 from specjax.trees.shape import TreeShape
+from specjax.trees.tree import Tree
 from specjax.trees.verify import greedy_tree_accept, tree_mask
 
 # a spine of second choices: node 2 (rank 1) under the root, node 4 (rank 1) under it, node 6 under that
@@ -39,7 +41,7 @@ def test_shapes():
 
 
 def test_mask_sees_prefix_and_ancestors_only():
-    m = np.asarray(tree_mask(RANK1_SPINE, jnp.array([5]), 16))[0]
+    m = np.asarray(tree_mask(Tree.from_shape(RANK1_SPINE, jnp.zeros((1, 7), jnp.int32)), jnp.array([5]), 16))[0]
     assert m[:, :5].all() and not m[:, 12:].any()
     assert m[6, 5:12].tolist() == [True, False, True, False, True, False, True]
     assert m[3, 5:12].tolist() == [True, False, True, True, False, False, False]
@@ -50,9 +52,10 @@ def test_accept_takes_the_deepest_agreeing_path():
     tokens = jnp.array([[1, 2, 3, 4, 5, 6, 7]])
     choice = jnp.array([[3, 0, 5, 0, 7, 0, 2]])  # after root: 3 (node 2), after node 2: 5 (node 4), ...
     logits = jax.nn.one_hot(choice, V)
-    n, path, out = greedy_tree_accept(RANK1_SPINE, tokens, logits)
+    tree = Tree.from_shape(RANK1_SPINE, tokens)
+    n, path, out = greedy_tree_accept(tree, logits)
     assert int(n[0]) == 3 and path[0].tolist() == [0, 2, 4, 6] and out[0].tolist() == [3, 5, 7, 2]
-    n, path, out = greedy_tree_accept(RANK1_SPINE, tokens, jax.nn.one_hot(jnp.zeros((1, 7), int), V))
+    n, path, out = greedy_tree_accept(tree, jax.nn.one_hot(jnp.zeros((1, 7), int), V))
     assert int(n[0]) == 0 and out[0, 0] == 0  # nothing agrees: the target's own token only
 
 
@@ -104,24 +107,43 @@ def test_side_branches_are_accepted_and_committed():
     assert Decoder(cfg, params, gen, oracle).generate(prompts).tau == 1.0  # a chain takes the decoys
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChainOnly:
+    """A drafter with drafts but no distributions (as acceptance replay)."""
+    k: int = dataclasses.field(metadata=dict(static=True))
+
+    def init(self, prompt, prompt_len, num_slots):
+        return ()
+
+    def propose(self, state, seqs, key, sampling):
+        return jnp.broadcast_to(seqs.pending()[:, None], (seqs.length.shape[0], self.k)), None, state
+
+
 def test_unsupported_combinations_are_refused():
     cfg, params = tiny_model(seed=1)
     block = init_block_drafter(params, cfg, jax.random.PRNGKey(0), 4, 1)
+    gen = GenerationConfig(max_new_tokens=4)
     with pytest.raises(NotImplementedError, match="per-position"):
-        Decoder(cfg, params, GenerationConfig(max_new_tokens=4), NgramDrafter(k=3), tree=TreeShape.chain(2))
+        Decoder(cfg, params, gen, ChainOnly(k=3), tree=TreeShape.chain(2))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Decoder(cfg, params, gen, NgramDrafter(k=3), tree=TreeShape.chain(2))
     with pytest.raises(ValueError, match="depth 5"):
-        Decoder(cfg, params, GenerationConfig(max_new_tokens=4), block, tree=TreeShape.chain(5))
+        Decoder(cfg, params, gen, block, tree=TreeShape.chain(5))
 
 
 def test_cli_tree_with_the_shipped_drafter(capsys):
-    """`specjax generate --drafter block --tree 12` on SmolLM2: tokens identical to AR; a drafter
-    without per-position distributions is refused with one line."""
+    """`specjax generate --drafter block --tree 12` (best-first) and `--drafter ngram --tree 6` (top-k)
+    on SmolLM2: tokens identical to AR; a tree without a drafter is refused with one line."""
     from specjax.cli import main
     assert main(["generate", "--drafter", "block", "--tree", "12", "--humaneval", "1",
                  "--max-new-tokens", "16", "--compare-ar"]) == 0
     assert "tokens identical to AR" in capsys.readouterr().out
-    assert main(["generate", "--drafter", "ngram", "--tree", "4", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
-    assert "per-position draft distributions" in capsys.readouterr().err
+    assert main(["generate", "--drafter", "ngram", "--tree", "6", "--humaneval", "1",
+                 "--max-new-tokens", "12", "--compare-ar"]) == 0
+    assert "tokens identical to AR" in capsys.readouterr().out
+    assert main(["generate", "--drafter", "none", "--tree", "4", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "--tree needs a drafter" in capsys.readouterr().err
 
 
 def test_token_forcing_passes_trees_and_catches_a_broken_one(monkeypatch):
@@ -140,12 +162,11 @@ def test_token_forcing_passes_trees_and_catches_a_broken_one(monkeypatch):
         report = check_token_forcing(Decoder(cfg, params, gen, drafter, tree=shape), prompts, ref, tolerance=0.0)
         assert report.passed and report.checked > 0, report.summary()
 
-    def trusting(shape, tokens, logits):  # accepts the top-1 spine unchecked
-        n, path, out = verify.greedy_tree_accept(shape, tokens, logits)
-        spine = jnp.asarray([0] + [i for i in range(1, shape.num_nodes) if shape.ranks[i] == 0][:shape.max_depth])
-        full = jnp.full_like(n, shape.max_depth)
-        out = jnp.concatenate([tokens[:, spine[1:]], out[:, -1:]], axis=1)
-        return full, jnp.broadcast_to(spine, path.shape), out
+    def trusting(tree, logits):  # accepts the whole chain unchecked
+        n, path, out = verify.greedy_tree_accept(tree, logits)
+        full = jnp.full_like(n, tree.max_depth)
+        out = jnp.concatenate([tree.tokens[:, 1:], out[:, -1:]], axis=1)
+        return full, jnp.broadcast_to(jnp.arange(tree.num_nodes), path.shape), out
     monkeypatch.setattr(tree_module, "greedy_tree_accept", trusting)
     jax.clear_caches()
     try:

@@ -138,11 +138,13 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     depth = jnp.where(tree_nodes > 0, jnp.minimum(k, tree_nodes), k)
     verify = _forward_time(dims, dev, dims.num_layers, width, False, wp)
     verify_floor = _forward_time(dims, dev, dims.num_layers, width, True, wp)
-    # layer-skip: one width-2 catch-up forward, then k - 1 width-1 forwards of the first K layers
-    # (the target's own layers and head, so the same weight formats)
-    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, False, wp) +
+    # layer-skip: one width-2 catch-up forward (k + 1 wide under trees: an accepted path may leave
+    # the drafter's chain), then k - 1 width-1 forwards of the first K layers (the target's own
+    # layers and head, so the same weight formats)
+    catch_up = jnp.where(tree_nodes > 0, k + 1, 2)
+    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, catch_up, False, wp) +
                    (k - 1) * _forward_time(dims, dev, layers, 1, False, wp), 0.0)
-    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, 2, True, wp) +
+    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, catch_up, True, wp) +
                          (k - 1) * _forward_time(dims, dev, layers, 1, True, wp), 0.0)
     block = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, False, wp), 0.0)
     block_floor = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, True, wp), 0.0)

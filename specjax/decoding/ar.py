@@ -15,15 +15,15 @@ from specjax.decoding.sequences import GenerationConfig, Sequences, commit, pref
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward, lm_logits
+from specjax.models.target import target_forward, target_logits
 from specjax.sampling import choose_token, top2_margin
 
 
 def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache: KVCache,
             seqs: Sequences, key: jax.Array) -> tuple[KVCache, Sequences]:
     pos = seqs.length - 1  # slot of the pending token
-    hidden, cache = forward(params, cfg, seqs.pending()[:, None], pos[:, None], cache, pos)
-    logits = lm_logits(params, hidden[:, 0])
+    hidden, _, cache = target_forward(params, cfg, seqs.pending()[:, None], pos[:, None], cache, pos)
+    logits = target_logits(params, cfg, hidden[:, 0])
     token = choose_token(logits, gen.sampling, key)
     seqs = commit(seqs, token[:, None], jnp.ones_like(pos), gen, margins=top2_margin(logits)[:, None])
     return cache, seqs

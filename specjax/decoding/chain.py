@@ -18,7 +18,7 @@ from specjax.decoding.sequences import GenerationConfig, Sequences, commit, pref
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward_with_taps, lm_logits
+from specjax.models.target import chain_path, chain_verify, target_commit, target_logits
 from specjax.sampling import probabilities, top2_margin
 from specjax.verification.chain import greedy_accept, leading_true, rejection_accept
 
@@ -80,16 +80,25 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
     positions = pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     taps = getattr(drafter, "taps", ())  # block drafters condition on target hidden states
-    hidden, features, cache = forward_with_taps(target, cfg, tokens, positions, cache, pos, taps)
+    hidden, features, cache, pending = chain_verify(target, cfg, tokens, positions, cache, pos, taps)
     if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
         dstate = drafter.observe(dstate, features, pos)
-    logits = lm_logits(target, hidden)  # [B, k + 1, V]
+    logits = target_logits(target, cfg, hidden)  # [B, k + 1, V]
     if gen.sampling.greedy:
         num_accepted, out = greedy_accept(draft, logits)
     else:
         num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v)
+    before = seqs.length
     seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, top2_margin(logits))
+    cache = target_commit(target, cfg, cache, pending, chain_path(*tokens.shape), committed_drafts(before, seqs),
+                          pos, is_chain=True)
     return cache, dstate, seqs, stats, forced
+
+
+def committed_drafts(length_before: jax.Array, seqs: Sequences) -> jax.Array:
+    """[B] drafts a round committed, after forcing may have cut them (the token after them is the
+    new pending one, not yet fed): what a recurrent state must advance over, besides the root."""
+    return jnp.maximum(seqs.length - length_before - 1, 0)
 
 
 def finish_round(gen: GenerationConfig, seqs: Sequences, stats: ChainStats, forced: Forced | None,

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, init_cache, read_rows, write_rows
+from specjax.models.kv_cache import KVCache, read_rows, write_rows
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward_with_taps, lm_logits
+from specjax.models.target import init_target_cache, target_forward, target_logits
 from specjax.sampling import SamplingConfig, choose_token, top2_margin
 
 
@@ -100,15 +100,16 @@ def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt
 
     Returns (cache, sequences, first-token logits [B, V], tapped hidden states over the prompt
     [B, P, len(taps) * D] for block drafters, None without `taps`). Padding slots get K/V too;
-    they sit past `length` and are overwritten before they could be read.
+    they sit past `length` and are overwritten before they could be read. A hybrid target's
+    recurrent layers see each row's real tokens only.
     """
     B, P = prompt.shape
-    cache = init_cache(cfg, B, num_slots)
+    cache = init_target_cache(cfg, B, num_slots)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, features, cache = forward_with_taps(params, cfg, prompt, positions, cache,
-                                                jnp.zeros(B, jnp.int32), taps)
+    hidden, features, cache = target_forward(params, cfg, prompt, positions, cache,
+                                             jnp.zeros(B, jnp.int32), taps, valid=prompt_len)
     last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
-    logits = lm_logits(params, last)
+    logits = target_logits(params, cfg, last)
     first = choose_token(logits, gen.sampling, key)
     tokens = jnp.zeros((B, num_slots), jnp.int32).at[:, :P].set(prompt)
     seqs = Sequences(tokens=tokens, length=prompt_len, prompt_len=prompt_len,

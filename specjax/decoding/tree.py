@@ -1,9 +1,11 @@
-"""Tree speculative decoding: the drafter's per-position distributions become a token tree of a
-static shape, the target verifies every node in one forward under the tree's visibility mask, and
-the path it accepts is committed (its K/V moved to contiguous slots). Greedy: the longest path the
-target agrees with; sampled: sequential candidate tests down the tree (exact in distribution).
+"""Tree speculative decoding: the drafter's per-position distributions become a token tree (a
+builder's choice, per row and per step: trees/builders.py), the target verifies every node in one
+forward under the tree's visibility mask, and the path it accepts is committed (its K/V moved to
+contiguous slots). Greedy: the longest path the target agrees with; sampled: sequential candidate
+tests down the tree (exact in distribution).
 
-Drafters: those that give per-position draft logits in one forward (`block_logits`: block drafters).
+Drafters: those that give per-position draft logits in one forward (`block_logits`: block drafters),
+or along their own chain (`propose_logits`: model drafters, n-gram).
 """
 
 from __future__ import annotations
@@ -13,56 +15,92 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import ChainStats, Forced, finish_round
+from specjax.decoding.chain import ChainStats, Forced, committed_drafts, finish_round
 from specjax.decoding.sequences import GenerationConfig, Sequences
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
-from specjax.models.transformer import forward_with_taps, lm_logits
-from specjax.sampling import probabilities, top2_margin
-from specjax.trees.shape import TreeShape
-from specjax.trees.verify import commit_path, greedy_tree_accept, sampled_tree_accept, tree_mask, tree_tokens
+from specjax.models.target import target_commit, target_logits, target_verify
+from specjax.sampling import SamplingConfig, probabilities, top2_margin
+from specjax.trees.builders import LOGP_FLOOR, TreeSpec, as_tree_spec, build_tree
+from specjax.trees.tree import Tree
+from specjax.trees.verify import greedy_tree_accept, sampled_tree_accept, tree_mask
 
 
-def check_tree_drafter(drafter, shape: TreeShape, gen: GenerationConfig) -> None:
-    if not hasattr(drafter, "block_logits"):
-        raise NotImplementedError(f"tree verification needs per-position draft distributions (block "
-                                  f"drafters); {type(drafter).__name__} has none")
-    if shape.max_depth > drafter.k:
-        raise ValueError(f"tree depth {shape.max_depth} exceeds the drafter's {drafter.k} positions")
+def check_tree_drafter(drafter, tree, gen: GenerationConfig) -> None:
+    """tree: a `TreeSpec` or a `TreeShape`."""
+    spec = as_tree_spec(tree)
+    if not (hasattr(drafter, "block_logits") or hasattr(drafter, "propose_logits")):
+        raise NotImplementedError(f"tree verification needs per-position draft distributions "
+                                  f"(block_logits or propose_logits); {type(drafter).__name__} has none")
+    if getattr(drafter, "vocab_size", None) == 0:  # an n-gram drafter built without it
+        raise ValueError(f"{type(drafter).__name__} needs vocab_size to score tree alternatives")
+    if spec.max_depth > drafter.k:
+        raise ValueError(f"tree depth {spec.max_depth} exceeds the drafter's {drafter.k} positions")
 
 
-def tree_step(target: ModelParams, cfg: ModelConfig, drafter, shape: TreeShape, gen: GenerationConfig,
+def default_builder(drafter) -> str:
+    """best_first where the distributions hold for every path (block drafters), else topk (AR
+    drafters know their distributions only along their own chain)."""
+    return "best_first" if hasattr(drafter, "block_logits") else "topk"
+
+
+def draft_scores(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """What the builders rank by: the draft distribution the step samples under (temperature, top-p),
+    as log-probabilities; greedy: the logits themselves."""
+    if sampling.greedy:
+        return logits
+    return jnp.maximum(jnp.log(probabilities(logits, sampling)), LOGP_FLOOR)
+
+
+def draft_tree(drafter, spec: TreeSpec, sampling: SamplingConfig, dstate, seqs: Sequences) -> tuple[Tree, object]:
+    """-> (the step's tree, the drafter state). Deterministic given the committed tokens and the
+    drafter state: AR drafters draft their chain greedily (candidates are tested as fixed tokens,
+    so sampling them would only lose acceptance)."""
+    if hasattr(drafter, "block_logits"):
+        logits, chain = drafter.block_logits(dstate, seqs), None
+    else:
+        chain, logits, dstate = drafter.propose_logits(dstate, seqs)
+        chain = chain[:, :spec.max_depth]
+    logits = draft_scores(logits[:, :spec.max_depth], sampling)
+    return build_tree(spec, seqs.pending(), logits, chain), dstate
+
+
+def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, gen: GenerationConfig,
               cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None):
     pos = seqs.length - 1  # the pending token's slot: the tree's root
-    draft_logits = drafter.block_logits(dstate, seqs)[:, :shape.max_depth]
-    tokens = tree_tokens(shape, seqs.pending(), draft_logits)  # [B, N]
-    positions = pos[:, None] + jnp.asarray(shape.depths)[None, :]
-    mask = tree_mask(shape, pos, cache.num_slots)
+    tree, dstate = draft_tree(drafter, spec, gen.sampling, dstate, seqs)
+    anc = tree.ancestors()
+    positions = pos[:, None] + tree.depths(anc)
+    mask = tree_mask(tree, pos, cache.num_slots, anc)
     taps = getattr(drafter, "taps", ())
-    hidden, features, cache = forward_with_taps(target, cfg, tokens, positions, cache, pos, taps, mask)
-    logits = lm_logits(target, hidden)  # [B, N, V]
+    hidden, features, cache, pending = target_verify(target, cfg, tree.tokens, positions, cache, pos, taps,
+                                                     mask, tree.parents, anc, tree.max_depth)
+    logits = target_logits(target, cfg, hidden)  # [B, N, V]
     if gen.sampling.greedy:
-        num_accepted, path, out = greedy_tree_accept(shape, tokens, logits)
+        num_accepted, path, out = greedy_tree_accept(tree, logits)
     else:
-        num_accepted, path, out = sampled_tree_accept(shape, tokens, probabilities(logits, gen.sampling), key)
-    cache = commit_path(cache, path, pos)
+        num_accepted, path, out = sampled_tree_accept(tree, probabilities(logits, gen.sampling), key)
     if taps:  # the accepted path's features, at contiguous positions (the rest is never read)
         dstate = drafter.observe(dstate, jnp.take_along_axis(features, path[..., None], axis=1), pos)
     margins = jnp.take_along_axis(top2_margin(logits), path, axis=1)
+    before = seqs.length
     seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, margins)
+    cache = target_commit(target, cfg, cache, pending, path, committed_drafts(before, seqs), pos)
     return cache, dstate, seqs, stats, forced
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen", "shape"))
-def tree_decode(target, cfg, drafter, gen, shape, cache, dstate, seqs, key, forced=None):
-    """Run tree steps until every row is done -> (sequences, stats, forced)."""
-    stats = ChainStats.zeros(seqs.length.shape[0], shape.max_depth)
+@functools.partial(jax.jit, static_argnames=("cfg", "gen", "tree"))
+def tree_decode(target, cfg, drafter, gen, tree, cache, dstate, seqs, key, forced=None):
+    """Run tree steps until every row is done -> (sequences, stats, forced). tree: a `TreeSpec`
+    (or a `TreeShape`: the static builder)."""
+    spec = as_tree_spec(tree)
+    stats = ChainStats.zeros(seqs.length.shape[0], spec.max_depth)
 
     def body(carry):
         cache, dstate, seqs, stats, forced, key = carry
         key, sub = jax.random.split(key)
-        return (*tree_step(target, cfg, drafter, shape, gen, cache, dstate, seqs, stats, sub, forced), key)
+        return (*tree_step(target, cfg, drafter, spec, gen, cache, dstate, seqs, stats, sub, forced), key)
 
     _, _, seqs, stats, forced, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[2].done), body,
                                                       (cache, dstate, seqs, stats, forced, key))

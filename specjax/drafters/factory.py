@@ -66,10 +66,10 @@ def make_drafter(spec: str, target, k: int, dtype: str | None = None, prompts=No
         return _trained_block(target, k, _int_after(spec[len("block:"):], "LAYERS"))
     if spec.startswith("replay:"):
         return _replay(spec, target, k, prompts, max_new_tokens)
-    if spec == "ngram":
-        return NgramDrafter(k=k)
+    if spec == "ngram":  # the vocabulary size lets it score tree alternatives
+        return NgramDrafter(k=k, vocab_size=target.cfg.vocab_size)
     if spec.startswith("ngram:"):
-        return NgramDrafter(k=k, max_n=_int_after(spec, "MAX_N"))
+        return NgramDrafter(k=k, max_n=_int_after(spec, "MAX_N"), vocab_size=target.cfg.vocab_size)
     if spec.startswith("block:random"):
         import jax
 

@@ -4,7 +4,8 @@ target's own first K layers with its final norm and head (layer-skip self-drafti
 The drafter keeps its own KV cache with the target's slot layout. Each round starts with a width-2
 forward over the last two committed tokens: the older one may be a fully accepted draft the drafter
 never fed, the newer is the pending token whose logits give the first draft. Then k - 1 width-1
-steps (a `lax.scan`, so compile time does not grow with k) produce the rest.
+steps (a `lax.scan`, so compile time does not grow with k) produce the rest. For tree verification
+(`propose_logits`) the catch-up forward is k + 1 wide: an accepted path may leave the chain.
 """
 
 from __future__ import annotations
@@ -53,22 +54,53 @@ class ModelDrafter:
         last_two = read_rows(seqs.tokens, start, 2)
         positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         hidden, cache = forward(self.params, self.cfg, last_two, positions, cache, start)
+        draft, _, q, cache = self._extend(cache, lm_logits(self.params, hidden[:, 1]), seqs.length,
+                                          key, sampling, keep_logits=False)
+        return draft, q, cache
+
+    def propose_logits(self, cache, seqs: Sequences):
+        """For tree verification: the greedy chain [B, k], the float32 logits [B, k, V] it was drafted
+        from (position d's, given the chain before it), and the cache.
+
+        A tree may accept a path off the drafter's chain, so the catch-up forward re-feeds the last
+        k + 1 committed tokens, not two: every slot a step can commit (up to k drafts and the
+        target's token) is rewritten from the committed tokens before it is read. Rows shorter than
+        k + 1 re-feed from slot 0; the window's slots past the committed length are overwritten by the
+        drafts before any read (causal)."""
+        width = self.k + 1
+        start = jnp.maximum(seqs.length - width, 0)
+        window = read_rows(seqs.tokens, start, width)
+        positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        hidden, cache = forward(self.params, self.cfg, window, positions, cache, start)
+        last = jnp.take_along_axis(hidden, (seqs.length - 1 - start)[:, None, None], axis=1)[:, 0]
+        draft, logits, _, cache = self._extend(cache, lm_logits(self.params, last), seqs.length,
+                                               jax.random.PRNGKey(0), SamplingConfig(), keep_logits=True)
+        return draft, logits, cache
+
+    def _extend(self, cache, first_logits, length, key, sampling: SamplingConfig, keep_logits: bool):
+        """The first draft from `first_logits` (after the pending token at slot length - 1), then
+        k - 1 width-1 steps -> (draft [B, k], float32 logits [B, k, V] (None unless keep_logits: a
+        chain step needs only the draft probs), draft probs [B, k, V] (None when greedy), cache)."""
         keys = jax.random.split(key, self.k)
-        first, q_first = _pick(lm_logits(self.params, hidden[:, 1]), sampling, keys[0])
+        first_logits = first_logits.astype(jnp.float32)
+        first, q_first = _pick(first_logits, sampling, keys[0])
 
         def step(carry, key_i):
             cache, token, pos = carry
             h, cache = forward(self.params, self.cfg, token[:, None], pos[:, None], cache, pos)
-            nxt, q = _pick(lm_logits(self.params, h[:, 0]), sampling, key_i)
-            return (cache, nxt, pos + 1), (nxt, q)
+            logits = lm_logits(self.params, h[:, 0]).astype(jnp.float32)
+            nxt, q = _pick(logits, sampling, key_i)
+            return (cache, nxt, pos + 1), (nxt, logits if keep_logits else None, q)
 
-        (cache, _, _), (rest, q_rest) = jax.lax.scan(
-            step, (cache, first, seqs.length), keys[1:])
+        (cache, _, _), (rest, logits_rest, q_rest) = jax.lax.scan(step, (cache, first, length), keys[1:])
         draft = jnp.concatenate([first[:, None], rest.T], axis=1)
+        logits = None
+        if keep_logits:
+            logits = jnp.concatenate([first_logits[:, None], jnp.moveaxis(logits_rest, 0, 1)], axis=1)
         if sampling.greedy:
-            return draft, None, cache
+            return draft, logits, None, cache
         q = jnp.concatenate([q_first[:, None], jnp.moveaxis(q_rest, 0, 1)], axis=1)
-        return draft, q, cache
+        return draft, logits, q, cache
 
 
 def layer_skip_drafter(target_params: ModelParams, target_cfg: ModelConfig, num_layers: int,

@@ -132,15 +132,28 @@ def pilot_k(config: dict) -> int:
 
 def drafter_variant(config: dict) -> str:
     """What determines per-position acceptance (k does not, for greedy chains): kind + its size,
-    and the tree's node budget when it verifies trees."""
+    and the tree's node budget and builder when it verifies trees (static trees keep the plain
+    `+treeN` spelling of earlier profiles)."""
     nodes = tree_nodes(config)
-    return (_drafter_spelling(config) or "none") + (f"+tree{nodes}" if nodes else "")
+    if not nodes:
+        return _drafter_spelling(config) or "none"
+    builder = tree_builder(config)
+    return f"{_drafter_spelling(config)}+tree{nodes}" + ("" if builder == "static" else f":{builder}")
+
+
+# drafters with per-position draft distributions (block_logits, propose_logits); acceptance replay
+# replays recorded chain acceptance, which says nothing about trees
+TREE_DRAFTERS = ("ngram", "layerskip", "block")
+TREE_BUILDERS = ("static", "best_first", "topk")  # specjax/trees/builders.py
 
 
 def tree_nodes(config: dict) -> int:
-    """Drafted nodes of the verified tree; 0: a chain (trees need per-position draft distributions:
-    block drafters)."""
-    return int(config.get("tree.nodes", 0)) if config.get("drafter.kind") == "block" else 0
+    """Drafted nodes of the verified tree; 0: a chain."""
+    return int(config.get("tree.nodes", 0)) if config.get("drafter.kind") in TREE_DRAFTERS else 0
+
+
+def tree_builder(config: dict) -> str:
+    return config.get("tree.builder", "static")
 
 
 REGISTRY.register(Mechanism(
@@ -180,23 +193,29 @@ REGISTRY.register(Mechanism(
 # ----------------------------------------------------------------------------- trees
 
 
-def _tree_shape(config: dict):
+def _tree_spec(config: dict):
+    """The engine's `tree`: a TreeSpec of tree.nodes drafted nodes at most k deep, or None."""
     nodes = tree_nodes(config)
     if not nodes:
         return None
-    from specjax.trees.shape import TreeShape
-    return TreeShape.for_budget(nodes, int(config.get("drafter.k", PILOT_K)))
+    from specjax.trees.builders import TreeSpec
+    return TreeSpec.budget(tree_builder(config), nodes, int(config.get("drafter.k", PILOT_K)))
 
 
 REGISTRY.register(Mechanism(
     name="tree",
     params=(ParamDef("tree.nodes", "int", low=0, high=64, default=0,
-                     doc="verify a tree of this many drafted nodes (the top-1 chain plus alternatives, "
-                         "TreeShape.for_budget) instead of a chain; 0: a chain. Block drafters",
-                     components=("verify", "commit")),),
+                     doc="verify a tree of this many drafted nodes instead of a chain; 0: a chain. "
+                         "Block, layer-skip and n-gram drafters",
+                     components=("verify", "commit", "draft")),  # layer-skip trees re-feed k + 1 tokens
+            ParamDef("tree.builder", "categorical", TREE_BUILDERS, default="static",
+                     doc="how the tree spends its nodes: static (the top-1 chain plus alternatives top "
+                         "down, TreeShape.for_budget), best_first (the likeliest paths, per row and step), "
+                         "topk (the drafter's chain plus its likeliest alternatives)",
+                     components=("verify",))),
     component="verify",
     features=lambda c: {"tree_nodes": float(tree_nodes(c))},
-    apply=lambda c: {"tree": _tree_shape(c)},
+    apply=lambda c: {"tree": _tree_spec(c)},
     doc="tree verification: one target forward over the tree's nodes, the longest agreeing path kept",
 ))
 

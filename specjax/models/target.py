@@ -1,0 +1,102 @@
+"""One interface over the two target families, so every decode loop serves both: dense
+(`transformer.py`, a KV cache only) and hybrid recurrent (`hybrid.py`, KV cache + GDN state).
+
+- `target_forward`: T tokens in order (prefill, AR steps); `valid` [B] counts each row's real
+  tokens (right-padding past it never reaches a recurrent state).
+- `target_verify`: the N nodes of a tree (a chain is a tree) in one forward; a hybrid target's GDN
+  layers leave their state alone and return a `pending` record.
+- `target_commit`: after acceptance, the accepted path becomes the committed prefix: dense K/V move
+  to contiguous slots (trees only), GDN states and conv windows replay the path
+  (docs/design/hybrid.md).
+
+The family is chosen by the config's type at trace time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.hybrid import HybridCache, hybrid_logits, hybrid_run, init_hybrid_cache
+from specjax.models.hybrid_config import HybridConfig
+from specjax.models.kv_cache import KVCache, init_cache
+from specjax.models.transformer import forward_with_taps, lm_logits
+
+
+def is_hybrid(cfg) -> bool:
+    return isinstance(cfg, HybridConfig)
+
+
+def init_target_cache(cfg, batch: int, num_slots: int):
+    return init_hybrid_cache(cfg, batch, num_slots) if is_hybrid(cfg) else init_cache(cfg, batch, num_slots)
+
+
+def target_logits(params, cfg, hidden: jax.Array) -> jax.Array:
+    return hybrid_logits(params, hidden) if is_hybrid(cfg) else lm_logits(params, hidden)
+
+
+def target_forward(params, cfg, tokens, positions, cache, start, taps: tuple[int, ...] = (),
+                   mask=None, valid=None):
+    """-> (final-normed hidden [B, T, D], tapped features or None, new cache)."""
+    if is_hybrid(cfg):
+        hidden, features, cache, _ = hybrid_run(params, cfg, tokens, positions, cache, start, mask,
+                                                    valid=valid, taps=taps)
+        return hidden, features, cache
+    return forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
+
+
+def chain_ancestors(batch: int, n: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (batch, n, n))
+
+
+def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, parents, ancestors, depth: int):
+    """The N nodes (node 0: the pending token) under `mask` [B, N, S] (attention) with the tree's
+    parents [B, N], ancestors [B, N, N] and static depth (GDN layers)
+    -> (hidden, features, cache, pending)."""
+    if is_hybrid(cfg):
+        return hybrid_run(params, cfg, tokens, positions, cache, start, mask, taps=taps,
+                              tree=(parents, ancestors, depth))
+    hidden, features, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
+    return hidden, features, cache, None
+
+
+def chain_verify(params, cfg, tokens, positions, cache, start, taps):
+    """`target_verify` for a chain of T = tokens.shape[1] nodes (causal mask)."""
+    B, T = tokens.shape
+    parents = jnp.broadcast_to(jnp.arange(-1, T - 1, dtype=jnp.int32), (B, T))
+    return target_verify(params, cfg, tokens, positions, cache, start, taps, None, parents,
+                         chain_ancestors(B, T), T - 1)
+
+
+def move_kv(k: list, v: list, path: jax.Array, start: jax.Array) -> tuple[list, list]:
+    """Move the accepted path's K/V from slots start + path[d] to start + d (d = 0..D)."""
+    src = start[:, None] + path  # [B, D+1]
+    dst = start[:, None] + jnp.arange(path.shape[1])[None, :]
+    rows = jnp.arange(path.shape[0])[:, None]
+
+    def move(buf):
+        return buf.at[rows, dst].set(buf[rows, src])
+    return [move(x) for x in k], [move(x) for x in v]
+
+
+def target_commit(params, cfg, cache, pending, path: jax.Array, num_accepted: jax.Array, start: jax.Array,
+                  is_chain: bool = False):
+    """Make path[:, :num_accepted + 1] the committed prefix (path [B, D + 1] node indices, root
+    first). A chain's nodes already sit in their slots (`is_chain`: no K/V move)."""
+    if is_hybrid(cfg):
+        from specjax.models.hybrid_tree import commit_states
+        k, v = (cache.k, cache.v) if is_chain else move_kv(cache.k, cache.v, path, start)
+        state, conv = commit_states(params, cfg, cache, pending, path, num_accepted)
+        return HybridCache(k=k, v=v, state=state, conv=conv)
+    if is_chain:
+        return cache
+    k, v = move_kv(cache.k, cache.v, path, start)
+    return KVCache(k=k, v=v)
+
+
+def chain_path(batch: int, n: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+
+
+__all__ = ["is_hybrid", "init_target_cache", "target_logits", "target_forward", "target_verify",
+           "chain_verify", "target_commit", "chain_path", "move_kv"]
