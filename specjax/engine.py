@@ -20,6 +20,7 @@ from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_b
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
+from specjax.models.target import is_hybrid
 
 
 def pooled_tau(results) -> float:
@@ -98,7 +99,11 @@ class Decoder:
         per-position distributions (block_logits or propose_logits)."""
         self.kernels = resolve_kernels(kernels, cfg)
         self.kernel_report = []
-        if self.kernels != "xla":
+        if self.kernels != "xla" and is_hybrid(cfg):  # attention and tree-GDN kernels; XLA GEMMs
+            if weights_format:
+                raise ConfigError("weights_format (12-bit weights) is for dense targets only")
+            params = dataclasses.replace(params, kernels=self.kernels)
+        elif self.kernels != "xla":
             from specjax.models.kernel_params import prepare_kernel_params
             params, self.kernel_report = prepare_kernel_params(
                 params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret")

@@ -132,3 +132,30 @@ def test_tree_decoding_of_hybrid_targets_is_exact(builder, nodes):
     drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
     tree = TreeSpec.budget(builder, nodes, 4)
     assert_exact(Decoder(cfg, params, gen, drafter=drafter, tree=tree), prompts, reference)
+
+
+def test_block_drafter_and_kernels_on_a_hybrid_target():
+    """A (random) block drafter conditioned on the hybrid target's layers, chain and best-first
+    tree; and the tree verify step with the Pallas kernels in interpret mode (fused attention,
+    tree GDN): token forcing finds no failure."""
+    from specjax.drafters.block import init_block_drafter
+    from specjax.trees.builders import TreeSpec
+    cfg = hybrid_config(404)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(404), scale=0.3)
+    prompts = repetitive_prompts(np.random.default_rng(404), 2, cfg.vocab_size)
+    gen = GenerationConfig(max_new_tokens=12)
+    reference = Decoder(cfg, params, gen).generate(prompts)
+    block = init_block_drafter(params, cfg, jax.random.PRNGKey(5), block_size=4, num_layers=1)
+    assert_exact(Decoder(cfg, params, gen, drafter=block), prompts, reference)
+    assert_exact(Decoder(cfg, params, gen, drafter=block, tree=TreeSpec.budget("best_first", 6, 3)),
+                 prompts, reference)
+    ngram = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
+    assert_exact(Decoder(cfg, params, gen, drafter=ngram, tree=TreeSpec.budget("topk", 5, 3),
+                         kernels="interpret"), prompts, reference)
+
+
+def test_layer_skip_refuses_hybrid_targets():
+    from specjax.drafters.model_drafter import layer_skip_drafter
+    cfg = hybrid_config(5)
+    with pytest.raises(NotImplementedError, match="dense target"):
+        layer_skip_drafter(init_random_hybrid_params(cfg, jax.random.PRNGKey(0)), cfg, 2, 3)

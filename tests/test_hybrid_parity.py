@@ -221,3 +221,26 @@ def test_bad_checkpoints_name_the_tensor(saved, tmp_path):
     _copy_with(src, tmp_path, lambda t: t.update({wrong: np.zeros((3, 5), np.float32)}))
     with pytest.raises(ModelFormatError, match=f"tensor {wrong} has shape \\(3, 5\\), expected"):
         load_hybrid(tmp_path)
+
+
+def test_engine_generates_transformers_greedy_tokens(saved):
+    """The checkpoint through `load_model` (the CLI's loader) and the engine: plain AR, chain and
+    tree speculative decoding all give transformers' own greedy continuation."""
+    from specjax.decoding.sequences import GenerationConfig
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.engine import Decoder
+    from specjax.models.hybrid_config import HybridConfig
+    from specjax.models.loading import load_model
+    from specjax.trees.builders import TreeSpec
+    name, model, path = saved
+    loaded = load_model(str(path))
+    assert isinstance(loaded.cfg, HybridConfig)
+    prompt = np.random.default_rng(CASES[name]["seed"] + 1).integers(0, loaded.cfg.vocab_size, 9).tolist()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              pad_token_id=0).numpy()[0, len(prompt):].tolist()
+    gen = GenerationConfig(max_new_tokens=12)
+    drafter = NgramDrafter(k=3, vocab_size=loaded.cfg.vocab_size)
+    for kwargs in ({}, dict(drafter=drafter), dict(drafter=drafter, tree=TreeSpec.budget("topk", 5, 3))):
+        got = Decoder(loaded.cfg, loaded.params, gen, **kwargs).generate([prompt]).tokens[0]
+        assert got == want, kwargs

@@ -135,6 +135,14 @@ def drafter_config(target_cfg: ModelConfig, num_layers: int, intermediate_size: 
     head and positions apply), its own depth and MLP width."""
     if num_layers < 1:
         raise ConfigError(f"block drafter: num_layers must be >= 1, got {num_layers}")
+    if not isinstance(target_cfg, ModelConfig):  # a hybrid target: the drafter is a dense decoder
+        target_cfg = ModelConfig(
+            vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
+            intermediate_size=target_cfg.intermediate_size, num_layers=num_layers,
+            num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
+            rope_theta=target_cfg.rope_theta, max_position_embeddings=target_cfg.max_position_embeddings,
+            tie_word_embeddings=target_cfg.tie_word_embeddings, dtype=target_cfg.dtype)
     return dataclasses.replace(target_cfg, num_layers=num_layers,
                                intermediate_size=intermediate_size or target_cfg.intermediate_size)
 

@@ -106,6 +106,9 @@ class ModelDrafter:
 def layer_skip_drafter(target_params: ModelParams, target_cfg: ModelConfig, num_layers: int,
                        k: int) -> ModelDrafter:
     """Self-drafting with the target's first `num_layers` layers, sharing its weights."""
+    if not isinstance(target_cfg, ModelConfig):
+        raise NotImplementedError("layer-skip self-drafting needs a dense target; for a hybrid recurrent "
+                                  "target use an n-gram, block or separate small-model drafter")
     if not 1 <= num_layers <= target_cfg.num_layers:
         raise ConfigError(f"layerskip:K needs 1 <= K <= {target_cfg.num_layers} (the target's layers), "
                           f"got {num_layers}")

@@ -30,8 +30,8 @@ MODEL_REGISTRY = {
 @dataclasses.dataclass
 class LoadedModel:
     name: str
-    cfg: ModelConfig
-    params: ModelParams
+    cfg: ModelConfig  # or a HybridConfig (hybrid recurrent targets)
+    params: ModelParams  # or HybridParams
     tokenizer: Tokenizer | None
 
 
@@ -60,7 +60,11 @@ def resolve_model_path(name_or_path: str) -> Path:
 def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
     path = resolve_model_path(name_or_path)
     if path.is_dir():
-        cfg, params = load_hf_directory(path, dtype)
+        if is_hybrid_directory(path):
+            from specjax.models.hybrid_loading import load_hybrid
+            cfg, params = load_hybrid(path, dtype)
+        else:
+            cfg, params = load_hf_directory(path, dtype)
         tok_file = path / "tokenizer.json"
         tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
     elif path.suffix == ".gguf":
@@ -73,6 +77,15 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
         raise ModelFormatError(f"{path}: not a checkpoint directory, a .gguf file or a .w12 packed "
                                "model")
     return LoadedModel(name=name_or_path, cfg=cfg, params=params, tokenizer=tokenizer)
+
+
+def is_hybrid_directory(path: Path) -> bool:
+    """A checkpoint directory whose config.json names a hybrid recurrent (Qwen3-Next) model."""
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False  # load_hf_directory reports the file
+    return d.get("model_type") == "qwen3_next" or "Qwen3NextForCausalLM" in (d.get("architectures") or [])
 
 
 # --------------------------------------------------------------------------- params assembly
