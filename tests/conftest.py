@@ -78,9 +78,10 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def save_tiny_checkpoint(path, vocab_size=40, max_positions=256, seed=0, num_layers=2):
+def save_tiny_checkpoint(path, vocab_size=40, max_positions=256, seed=0, num_layers=2, hybrid=False):
     """A tiny random Llama checkpoint written by transformers, with a character-level tokenizer.json,
-    so the CLI can run end to end on it. Returns the directory."""
+    so the CLI can run end to end on it. hybrid: a Qwen3-Next one instead (Gated DeltaNet layers
+    with every fourth layer attention, dense MLPs). Returns the directory."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
@@ -91,10 +92,15 @@ def save_tiny_checkpoint(path, vocab_size=40, max_positions=256, seed=0, num_lay
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=num_layers, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=max_positions,
-                                   eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    if hybrid:
+        cfg = transformers.Qwen3NextConfig(
+            **common, head_dim=8, num_experts=0, mlp_only_layers=list(range(num_layers)),
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+        transformers.Qwen3NextForCausalLM(cfg).save_pretrained(path)
+    else:
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))
     return path

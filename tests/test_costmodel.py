@@ -108,3 +108,23 @@ def test_tree_verify_reads_once_over_all_nodes_and_counts_depth():
     assert p["tokens_per_step"][0] == pytest.approx(4.0)
     chain = predict(DIMS, DEV, [3], [3], [2], alpha(1.0))
     assert chain["component_time"][0, 0] == pytest.approx(1e-3 + 12e6 / 1e9)
+
+
+def test_hybrid_target_dims_count_its_weights_kv_and_state():
+    """A hybrid target's average layer: its weights add up to the parameters' bytes (the embedding,
+    gathered not streamed, apart), KV only for attention layers, the GDN state read and written per
+    step; and the device fit times its real forwards."""
+    import jax
+
+    from specjax.costmodel.hardware import fit_to_target
+    from specjax.models.hybrid import init_random_hybrid_params
+    from test_hybrid_decoding import hybrid_config
+    cfg = dataclasses.replace(hybrid_config(3), tie_word_embeddings=False)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(0))
+    d = ModelDims.of(cfg, 64)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params)) - params.embed.nbytes
+    state = 3 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    assert d.num_layers * d.layer_bytes + d.head_bytes == pytest.approx(weights + 3 * state, rel=1e-9)
+    assert d.kv_bytes_per_slot * d.num_layers == 2 * cfg.kv_size * 4 * len(cfg.attn_layers)
+    fitted = fit_to_target(DEV, cfg, params, num_slots=64, widths=(1, 4))
+    assert fitted.step_overhead > 0 and "target-fit" in fitted.source

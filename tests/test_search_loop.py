@@ -166,3 +166,36 @@ def test_kill_then_resume_loses_no_validated_record(tiny_spec, tmp_path):
     records, corrupt = MemoryStore(mem).records()
     assert not corrupt and set(before) <= {r.record_id for r in records}
     assert json.loads((out / "state.json").read_text())["payload"]["round"] == 3
+
+
+HYBRID_SPEC = """\
+version: 1
+name: tiny-hybrid
+deployment:
+  target: {target}
+  hardware: cpu
+  prompts: {{source: file, path: prompts.jsonl, n: 2}}
+  max_new_tokens: 12
+stock: {{drafter.kind: ngram, drafter.k: 2, drafter.ngram_max_n: 2, tree.nodes: 0, tree.builder: topk}}
+space:
+  drafter.kind: {{type: categorical, values: [none, ngram]}}
+  drafter.k: {{type: int, range: [2, 4], when: {{drafter.kind: [ngram]}}}}
+  drafter.ngram_max_n: {{type: int, range: [1, 2], when: {{drafter.kind: [ngram]}}}}
+  tree.nodes: {{type: int, values: [0, 4], when: {{drafter.kind: [ngram]}}}}
+  tree.builder: {{type: categorical, values: [topk], when: {{drafter.kind: [ngram]}}}}
+budget: {{rounds: 1, agents: 2, proposals_per_agent: 6, measure_per_round: 2, runs: 1, wall_clock_s: 600}}
+output: out
+"""
+
+
+def test_search_on_a_hybrid_target(tmp_path):
+    """A Qwen3-Next checkpoint as the deployment's target: the cost model's hybrid terms, trees
+    and chains measured, every winner gated by token forcing."""
+    target = save_tiny_checkpoint(tmp_path / "target", num_layers=4, hybrid=True)
+    (tmp_path / "prompts.jsonl").write_text('"abc abc abc ab"\n"hello hello hel"\n')
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(HYBRID_SPEC.format(target=target))
+    run_search(str(spec), output=str(tmp_path / "out"), memory_dir=str(tmp_path / "mem"))
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["payload"]
+    measured = [r for r in results["evaluated"] if r["config"].get("drafter.kind") == "ngram"]
+    assert measured and all(r["rejected"] is not None or r["forcing"]["failures"] == 0 for r in measured)

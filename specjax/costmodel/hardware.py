@@ -205,18 +205,18 @@ def fit_to_target(dev: DeviceModel, cfg, params, num_slots: int = 256, widths=(1
     import numpy as np
 
     from specjax.costmodel.model import ModelDims
-    from specjax.models.kv_cache import init_cache
-    from specjax.models.params import truncate_layers
-    from specjax.models.transformer import forward, lm_logits
+    from specjax.models.target import init_target_cache, is_hybrid, target_forward, target_logits
 
     def step_fn(c):
-        return lambda p, cache, t, pos: lm_logits(p, forward(p, c, t, pos, cache, pos[:, 0])[0])
+        return lambda p, cache, t, pos: target_logits(p, c, target_forward(p, c, t, pos, cache, pos[:, 0])[0])
 
     dims = ModelDims.of(cfg, num_slots)
     L, Lq = cfg.num_layers, max(1, cfg.num_layers // 4)
-    times = {n: _time_forward_in_loop(step_fn(cfg), params, init_cache(cfg, 1, num_slots), n) for n in widths}
-    qcfg, qparams = dataclasses.replace(cfg, num_layers=Lq), truncate_layers(params, Lq)
-    t_quarter = _time_forward_in_loop(step_fn(qcfg), qparams, init_cache(qcfg, 1, num_slots), 1)
+    times = {n: _time_forward_in_loop(step_fn(cfg), params, init_target_cache(cfg, 1, num_slots), n)
+             for n in widths}
+    qcfg = dataclasses.replace(cfg, num_layers=Lq, **({"layer_types": cfg.layer_types[:Lq]} if is_hybrid(cfg) else {}))
+    qparams = dataclasses.replace(params, layers=list(params.layers[:Lq]))
+    t_quarter = _time_forward_in_loop(step_fn(qcfg), qparams, init_target_cache(qcfg, 1, num_slots), 1)
 
     def read_s(layers):
         return (layers * (dims.layer_bytes + num_slots * dims.kv_bytes_per_slot) + dims.head_bytes) / dev.bandwidth

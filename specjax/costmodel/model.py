@@ -28,6 +28,7 @@ import numpy as np
 
 from specjax.costmodel.hardware import DeviceModel
 from specjax.models.config import ModelConfig
+from specjax.models.hybrid_config import HybridConfig
 from specjax.search.registry import COMPONENTS, LH12_NOMINAL_BITS, WEIGHT_GROUPS
 
 KMAX = 32  # longest draft the acceptance profiles cover
@@ -55,6 +56,8 @@ class ModelDims:
     @staticmethod
     def of(cfg: ModelConfig, num_slots: int, lh12_bits: tuple[float, float, float] | None = None
            ) -> "ModelDims":
+        if isinstance(cfg, HybridConfig):
+            return ModelDims.of_hybrid(cfg, num_slots)
         item = 4 if cfg.dtype == "float32" else 2
         D, F = cfg.hidden_size, cfg.intermediate_size
         attn_params = D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D
@@ -69,6 +72,29 @@ class ModelDims:
                          mlp_bytes=float(mlp_params * item),
                          head_matrix_bytes=float(cfg.vocab_size * D * item),
                          lh12_bits=None if lh12_bits is None else tuple(float(b) for b in lh12_bits))
+
+
+    @staticmethod
+    def of_hybrid(cfg: HybridConfig, num_slots: int) -> "ModelDims":
+        """A hybrid target as an average layer: its GDN and attention layers' weights, the KV of
+        its attention layers only, and each GDN layer's recurrent state, which a step reads and
+        writes like a weight (verify reads it, the commit's replay reads and writes it: 3 passes).
+        Weight formats do not apply (attn/mlp bytes 0: the 12-bit kernels serve dense targets)."""
+        item = 4 if cfg.dtype == "float32" else 2
+        D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+        n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+        attn = D * (2 * cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 2 * cfg.head_dim  # + q/k norms
+        gdn = (D * cfg.in_proj_size + cfg.value_dim * D + cfg.linear_conv_kernel_dim * cfg.conv_dim
+               + 2 * cfg.linear_num_value_heads + cfg.linear_value_head_dim)  # + A_log, dt_bias, norm
+        state = 3 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        mixer_params = (n_attn * attn + n_gdn * gdn) / L
+        layer_params = mixer_params + 3 * D * F + 2 * D
+        head_params = cfg.vocab_size * D + D
+        return ModelDims(layer_bytes=layer_params * item + state * n_gdn / L, head_bytes=head_params * item,
+                         layer_flops=2.0 * layer_params, head_flops=2.0 * head_params,
+                         kv_bytes_per_slot=2.0 * cfg.kv_size * item * n_attn / L,
+                         attn_flops_per_slot=4.0 * cfg.q_size * n_attn / L, num_layers=L,
+                         num_slots=num_slots)
 
 
 @dataclasses.dataclass(frozen=True)
