@@ -21,8 +21,7 @@ from specjax.drafters.block import init_block_drafter
 from specjax.drafters.model_drafter import layer_skip_drafter, small_model_drafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.engine import Decoder
-from specjax.models.kv_cache import init_cache
-from specjax.models.transformer import forward, lm_logits
+from specjax.models.target import init_target_cache, target_forward, target_logits
 from specjax.sampling import SamplingConfig, probabilities, sample_from
 from specjax.verification.chain import leading_true
 
@@ -44,9 +43,9 @@ def exact_joint(cfg, params, sampling) -> np.ndarray:
     def next_probs(seqs):
         seqs = jnp.asarray(seqs, jnp.int32)
         B, T = seqs.shape
-        hidden, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), (B, T)),
-                            init_cache(cfg, B, T), jnp.zeros(B, jnp.int32))
-        return np.asarray(probabilities(lm_logits(params, hidden[:, -1]), sampling), np.float64)
+        hidden, _, _ = target_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), (B, T)),
+                                      init_target_cache(cfg, B, T), jnp.zeros(B, jnp.int32))
+        return np.asarray(probabilities(target_logits(params, cfg, hidden[:, -1]), sampling), np.float64)
 
     p1 = next_probs([PROMPT])[0]
     p2 = next_probs([PROMPT + [a] for a in range(V)])
@@ -190,3 +189,24 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()
     assert chi_square_p(counts, joint) < 0.01
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_hybrid_target_sampling_follows_target(tree):
+    """A hybrid recurrent target (GDN + attention): chains and top-k trees of an n-gram drafter.
+    A wrong state commit would change every later token's distribution."""
+    from specjax.models.hybrid import init_random_hybrid_params
+    from specjax.models.hybrid_config import HybridConfig
+    from specjax.trees.builders import TreeSpec
+    cfg = HybridConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=4,
+                       layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                       num_heads=2, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                       max_position_embeddings=64)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(8), scale=0.6)
+    sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
+    joint = exact_joint(cfg, params, sampling)
+    spec = None if tree is None else TreeSpec.budget(tree, 6, 3)
+    counts = sample_counts(cfg, params, NgramDrafter(k=3, vocab_size=V), sampling, seed=6, tree=spec)
+    assert chi_square_p(counts, joint) > 0.01
