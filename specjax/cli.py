@@ -66,12 +66,17 @@ def cmd_generate(args) -> int:
     engine = dict(kernels=args.kernels, kernel_tiles=args.kernel_tiles,
                   weights_format={g: args.weights for g in ("attn", "mlp", "head")})
     tree = None
+    if (args.tree is not None or args.tree_shape) and drafter is None:
+        raise ConfigError("--tree / --tree-shape need a drafter")
+    if args.tree is not None and args.tree_shape:
+        raise ConfigError("give --tree N or --tree-shape FILE, not both")
     if args.tree is not None:
         from specjax.decoding.tree import default_builder
         from specjax.trees.builders import TreeSpec
-        if drafter is None:
-            raise ConfigError("--tree needs a drafter")
         tree = TreeSpec.budget(args.tree_builder or default_builder(drafter), args.tree, args.k)
+    elif args.tree_shape:
+        from specjax.trees.shape import load_tree_shape
+        tree = load_tree_shape(args.tree_shape)
     decoder = Decoder(target.cfg, target.params, gen, drafter, tree=tree, **engine)
     reference = Decoder(target.cfg, target.params, gen, **engine) if args.compare_ar and drafter else None
     if decoder.kernels != "xla":
@@ -108,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", type=int, metavar="N",
                    help="verify a tree of N drafted nodes, at most k deep, instead of a chain (any drafter "
                         "but replay; greedy or sampled)")
+    g.add_argument("--tree-shape", metavar="FILE.yaml",
+                   help="verify this static tree (`parents: [-1, 0, 0, 1, ...]`, at most k deep) instead of a chain")
     g.add_argument("--tree-builder", choices=["static", "best_first", "topk"],
                    help="how --tree spends its nodes: static (TreeShape.for_budget: the top-1 chain plus "
                         "alternatives top down), best_first (the N likeliest paths, per row and step), topk "

@@ -132,9 +132,10 @@ def test_unsupported_combinations_are_refused():
         Decoder(cfg, params, gen, block, tree=TreeShape.chain(5))
 
 
-def test_cli_tree_with_the_shipped_drafter(capsys):
-    """`specjax generate --drafter block --tree 12` (best-first) and `--drafter ngram --tree 6` (top-k)
-    on SmolLM2: tokens identical to AR; a tree without a drafter is refused with one line."""
+def test_cli_tree_with_the_shipped_drafter(capsys, tmp_path):
+    """`specjax generate --drafter block --tree 12` (best-first), `--drafter ngram --tree 6` (top-k)
+    and `--tree-shape FILE.yaml` (static) on SmolLM2: tokens identical to AR; a tree without a
+    drafter and a bad shape file are refused with one line naming the problem."""
     from specjax.cli import main
     assert main(["generate", "--drafter", "block", "--tree", "12", "--humaneval", "1",
                  "--max-new-tokens", "16", "--compare-ar"]) == 0
@@ -142,8 +143,16 @@ def test_cli_tree_with_the_shipped_drafter(capsys):
     assert main(["generate", "--drafter", "ngram", "--tree", "6", "--humaneval", "1",
                  "--max-new-tokens", "12", "--compare-ar"]) == 0
     assert "tokens identical to AR" in capsys.readouterr().out
+    shape = tmp_path / "tree.yaml"
+    shape.write_text("parents: [-1, 0, 0, 1, 1, 3]\n")
+    assert main(["generate", "--drafter", "ngram", "--tree-shape", str(shape), "--humaneval", "1",
+                 "--max-new-tokens", "12", "--compare-ar"]) == 0
+    assert "tokens identical to AR" in capsys.readouterr().out
+    shape.write_text("parents: [-1, 0, 5]\n")
+    assert main(["generate", "--drafter", "ngram", "--tree-shape", str(shape), "--prompt", "hi"]) == 2
+    assert f"{shape}: parents:" in capsys.readouterr().err
     assert main(["generate", "--drafter", "none", "--tree", "4", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
-    assert "--tree needs a drafter" in capsys.readouterr().err
+    assert "need a drafter" in capsys.readouterr().err
 
 
 def test_token_forcing_passes_trees_and_catches_a_broken_one(monkeypatch):

@@ -86,3 +86,23 @@ class TreeShape:
                     break
                 parents.append(chain[d])
         return TreeShape(tuple(parents))
+
+
+def load_tree_shape(path) -> TreeShape:
+    """A static tree shape from YAML: `parents: [-1, 0, 0, 1, ...]` (node 0 the root, every other
+    node's parent an earlier node). Errors name the file and the field."""
+    import yaml
+    from pathlib import Path
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the tree shape: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    parents = doc.get("parents") if isinstance(doc, dict) else None
+    if not isinstance(parents, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parents):
+        raise ConfigError(f"{path}: parents: expected a list of integers (node 0's parent -1), got {parents!r}")
+    try:
+        return TreeShape(tuple(parents))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: parents: {e}") from None
