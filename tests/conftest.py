@@ -62,6 +62,17 @@ def _smollm2():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Drop each test module's compiled executables after it. The whole suite runs in one process,
+    and XLA's CPU code piles up in memory mappings: past ~330 tests a compile died in LLVM (a
+    segfault / abort at the same test each time, alone it passed), as at the kernel's map limit."""
+    yield
+    import gc
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     return _smollm2()
