@@ -23,14 +23,9 @@ from specjax.models.hybrid_config import HybridConfig, from_hf_dict
 
 
 def load_hybrid(path: str | Path, dtype: str = "float32") -> tuple[HybridConfig, HybridParams]:
+    from specjax.models.loading import read_config_json
     path = Path(path)
-    cfg_file = path / "config.json"
-    try:
-        cfg_dict = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ModelFormatError(f"{cfg_file}: missing (a checkpoint directory needs config.json)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{cfg_file}: unreadable: {e}") from None
+    cfg_dict, cfg_file = read_config_json(path)
     cfg = from_hf_dict(cfg_dict, where=str(cfg_file), dtype=dtype)
     return cfg, assemble_hybrid_params(cfg, _tensor_reader(path), str(path))
 

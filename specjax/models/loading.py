@@ -142,16 +142,21 @@ def assemble_params(cfg: ModelConfig, get, where: str) -> ModelParams:
 
 # --------------------------------------------------------------------------- HF directories
 
-def load_hf_directory(path: Path, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
-    from safetensors import safe_open
-
+def read_config_json(path: Path) -> tuple[dict, Path]:
+    """A checkpoint directory's config.json -> (its dict, the file); errors name the file."""
     cfg_file = path / "config.json"
     try:
-        cfg_dict = json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text()), cfg_file
     except FileNotFoundError:
         raise ModelFormatError(f"{cfg_file}: missing (a checkpoint directory needs config.json)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{cfg_file}: unreadable: {e}") from None
+
+
+def load_hf_directory(path: Path, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+    from safetensors import safe_open
+
+    cfg_dict, cfg_file = read_config_json(path)
     cfg = from_hf_dict(cfg_dict, where=str(cfg_file), dtype=dtype)
 
     index_file = path / "model.safetensors.index.json"
