@@ -128,3 +128,54 @@ def test_hybrid_target_dims_count_its_weights_kv_and_state():
     assert d.kv_bytes_per_slot * d.num_layers == 2 * cfg.kv_size * 4 * len(cfg.attn_layers)
     fitted = fit_to_target(DEV, cfg, params, num_slots=64, widths=(1, 4))
     assert fitted.step_overhead > 0 and "target-fit" in fitted.source
+
+
+# ----------------------------------------------------------------------------- batching terms
+
+def batched(b):
+    return dataclasses.replace(DIMS, batch=b)
+
+
+def serving(c, budget=0, packed=0, steps=0, k1=0):
+    return dict(budget=np.full(c, budget), packed=np.full(c, packed), steps_per_call=np.full(c, steps),
+                two_level_k1=np.full(c, k1))
+
+
+def test_batch_of_one_with_mechanisms_off_is_unchanged():
+    plain = predict(DIMS, DEV, [4], [1], [0], alpha(0.6))
+    off = predict(batched(1), DEV, [4], [1], [0], alpha(0.6), **serving(1))
+    assert off["step_time"][0] == plain["step_time"][0]
+    assert off["tokens_per_step"][0] == plain["tokens_per_step"][0]
+
+
+def test_batch_shares_the_weight_read_and_multiplies_tokens():
+    # B = 8, k = 3 padded: 32 tokens x 12 MFLOP = 384 MFLOP / 1e10 = 38.4 ms > 12 ms: compute-bound
+    p = predict(batched(8), DEV, [3], [1], [0], alpha(0.5), **serving(1))
+    assert p["component_time"][0, 0] == pytest.approx(1e-3 + 38.4e-3)
+    assert p["tokens_per_step"][0] == pytest.approx(8 * expected_tokens(np.full(KMAX, 0.5), 3))
+
+
+def test_budget_and_packing_cut_compute_bound_verify():
+    # B = 8, k = 3; budget 8 drafts: one each (d = 1); packed: 8 x 2 = 16 tokens = 19.2 ms
+    args = (batched(8), DEV, [3], [1], [0], alpha(0.5))
+    padded = predict(*args, **serving(1))
+    budget_padded = predict(*args, **serving(1, budget=8))
+    packed = predict(*args, **serving(1, budget=8, packed=1))
+    assert budget_padded["component_time"][0, 0] == padded["component_time"][0, 0]  # padding pays all
+    assert packed["component_time"][0, 0] == pytest.approx(1e-3 + 19.2e-3)
+    assert packed["tokens_per_step"][0] == pytest.approx(8 * 1.5)  # 1 + 0.5 per slot
+
+
+def test_two_level_pays_its_second_pass_only_when_someone_passes():
+    # k1 = 1 of k = 3, B = 2 padded: level 1 = 4 tokens (memory-bound, 12 ms), level 2 = 4 tokens,
+    # run with probability 1 - (1 - a)^2
+    for a, p_any in [(0.0, 0.0), (0.5, 0.75), (1.0, 1.0)]:
+        p = predict(batched(2), DEV, [3], [1], [0], alpha(a), **serving(1, steps=1, k1=1))
+        assert p["component_time"][0, 0] == pytest.approx((1 + p_any) * (1e-3 + 12e-3))
+
+
+def test_host_round_trip_is_spread_over_steps_per_call():
+    host = [predict(batched(4), DEV, [3], [1], [0], alpha(0.5), **serving(1, steps=s))["component_time"][0, 3]
+            for s in (0, 1, 16)]
+    assert host[1] - host[0] == pytest.approx(DEV.host_sync)
+    assert host[2] - host[0] == pytest.approx(DEV.host_sync / 16)

@@ -199,3 +199,21 @@ def test_search_on_a_hybrid_target(tmp_path):
     results = json.loads((tmp_path / "out" / "results.json").read_text())["payload"]
     measured = [r for r in results["evaluated"] if r["config"].get("drafter.kind") == "ngram"]
     assert measured and all(r["rejected"] is not None or r["forcing"]["failures"] == 0 for r in measured)
+
+
+def test_batching_mechanisms_build_the_serving_engine_and_pass_the_gate(hack_setup):
+    """A config with batching mechanisms runs on the continuous-batching engine, is measured
+    and passes token forcing; the registry turns the YAML knobs into ServingOptions."""
+    from specjax.search.registry import REGISTRY
+    from specjax.serving.decoder import ServingDecoder
+    target, prompts, dev = hack_setup
+    config = dict(CONFIG, **{"serving.budget": 4, "serving.packed": "on", "serving.steps_per_call": 4,
+                             "serving.two_level_k1": 1})
+    opts = REGISTRY.apply(config)["serving"]
+    assert (opts.budget, opts.packed, opts.steps_per_call, opts.two_level_k1) == (4, True, 4, 1)
+    assert REGISTRY.apply(CONFIG)["serving"] is None
+    ev = Evaluator(target, prompts, 24, dev, "cpu", batch=2)
+    assert isinstance(ev.decoder(config), ServingDecoder)
+    m = ev.gate(ev.measure(config, runs=1)[0])
+    assert m.valid, m.rejected
+    assert m.forcing["checked"] == m.forcing["expected"] > 0

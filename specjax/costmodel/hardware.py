@@ -30,6 +30,7 @@ class DeviceModel:
     source: str = "nominal"  # nominal | calibrated | spec
     layer_overhead: float = 0.0  # fixed seconds per layer of a forward (kernel launches scale with depth)
     host_per_token: float = 0.0  # host-side seconds per generated token (prefill, dispatch, transfers)
+    host_sync: float = 1e-4  # one synchronizing host round trip (H200: ~0.1 ms), per serving call
     # Skinny GEMM kernels (pallas_kernels/), as fractions of `bandwidth`; 1.0 until measured, and
     # defaulted so calibration files written before they existed still load.
     lh12_efficiency: float = 1.0  # LH12 kernel's read rate over its own bytes / the bf16 kernel's

@@ -52,6 +52,7 @@ class ModelDims:
     # The target's own LH12 bits per weight per group (attn, mlp, head), tensors that stay bf16
     # counted at 16; None: the registry's per-config factor (LH12_NOMINAL_BITS / 16).
     lh12_bits: tuple[float, float, float] | None = None
+    batch: int = 1  # requests per step (the deployment's); each has num_slots of KV
 
     @staticmethod
     def of(cfg: ModelConfig, num_slots: int, lh12_bits: tuple[float, float, float] | None = None
@@ -126,7 +127,8 @@ def _saved_bytes(dims: ModelDims, wp: WeightPlan, layers, peak: bool):
 
 
 def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool, wp: WeightPlan):
-    bytes_ = layers * (dims.layer_bytes + dims.num_slots * dims.kv_bytes_per_slot) + dims.head_bytes
+    kv = dims.batch * dims.num_slots * dims.kv_bytes_per_slot  # every request's cache, read once
+    bytes_ = layers * (dims.layer_bytes + kv) + dims.head_bytes
     flops = tokens * (layers * (dims.layer_flops + dims.num_slots * dims.attn_flops_per_slot) + dims.head_flops)
     bw = dev.peak_bandwidth if peak else dev.bandwidth
     rate = dev.peak_flops if peak else dev.flops
@@ -147,14 +149,40 @@ def _block_draft_time(dims: ModelDims, dev: DeviceModel, layers, k, peak: bool, 
     """Block (and replay) drafters: the block forward (L layers + head over k + 1 positions) and the
     context injection (L layers over up to k + 1 accepted positions, no head)."""
     no_head = dataclasses.replace(dims, head_bytes=0.0, head_flops=0.0, head_matrix_bytes=0.0)
-    return (_forward_time(dims, dev, layers, k + 1, peak, wp) +
-            _forward_time(no_head, dev, layers, k + 1, peak, wp))
+    tokens = dims.batch * (k + 1)
+    return (_forward_time(dims, dev, layers, tokens, peak, wp) +
+            _forward_time(no_head, dev, layers, tokens, peak, wp))
 
 
-def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, tree_nodes):
+def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp):
+    """Batched verification (serving mechanisms) -> (verify time, drafts each slot verifies).
+    B requests per step: padded, every slot takes `width` tokens; a budget spreads `budget` drafts
+    over the batch (equal acceptance: budget / B each); packed, only verified tokens are computed;
+    two-level (k1 > 0) verifies k1 + 1 tokens per slot, then the rest with the probability that
+    some slot passed all k1 drafts."""
+    B = dims.batch
+    d = jnp.where(budget > 0, jnp.minimum(depth, budget / B), depth)
+    one = jnp.where(packed > 0, B * (1.0 + d), B * width)
+    single = _forward_time(dims, dev, dims.num_layers, one, peak, wp)
+    k1 = jnp.minimum(k1, jnp.maximum(depth - 1, 0))
+    t1 = jnp.where(packed > 0, B * (1.0 + jnp.minimum(k1, d)), B * (k1 + 1.0))
+    t2 = jnp.where(packed > 0, B * jnp.maximum(d - k1, 0.0), B * (width - 1.0 - k1))
+    idx = jnp.arange(KMAX)
+    p_pass = jnp.prod(jnp.where(idx < k1, alpha, 1.0))
+    p_any = 1.0 - (1.0 - p_pass) ** B
+    two = (_forward_time(dims, dev, dims.num_layers, t1, peak, wp) +
+           p_any * _forward_time(dims, dev, dims.num_layers, t2, peak, wp))
+    return jnp.where(k1 > 0, two, single), d
+
+
+def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, tree_nodes,
+         budget, packed, steps_per_call, two_level_k1):
     """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
     3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
-    bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag)."""
+    bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag; the serving mechanisms: budget
+    (draft tokens per step, 0: none), packed 0/1, steps_per_call (0: the batch engine, whole
+    decode on the device; n: the serving engine, a host sync every n steps), two_level_k1).
+    Times are per step of the whole batch (dims.batch requests)."""
     wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
     speculative = kind > 0
     k = jnp.where(speculative, k, 0)
@@ -162,23 +190,26 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     # at most min(k, N) deep
     width = jnp.where(tree_nodes > 0, tree_nodes, k) + 1
     depth = jnp.where(tree_nodes > 0, jnp.minimum(k, tree_nodes), k)
-    verify = _forward_time(dims, dev, dims.num_layers, width, False, wp)
-    verify_floor = _forward_time(dims, dev, dims.num_layers, width, True, wp)
+    verify, d = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, False, wp)
+    verify_floor, _ = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, True, wp)
+    B = dims.batch
     # layer-skip: one width-2 catch-up forward (k + 1 wide under trees: an accepted path may leave
     # the drafter's chain), then k - 1 width-1 forwards of the first K layers (the target's own
     # layers and head, so the same weight formats)
     catch_up = jnp.where(tree_nodes > 0, k + 1, 2)
-    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, catch_up, False, wp) +
-                   (k - 1) * _forward_time(dims, dev, layers, 1, False, wp), 0.0)
-    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, catch_up, True, wp) +
-                         (k - 1) * _forward_time(dims, dev, layers, 1, True, wp), 0.0)
+    ls = jnp.where(k > 0, _forward_time(dims, dev, layers, B * catch_up, False, wp) +
+                   (k - 1) * _forward_time(dims, dev, layers, B, False, wp), 0.0)
+    ls_floor = jnp.where(k > 0, _forward_time(dims, dev, layers, B * catch_up, True, wp) +
+                         (k - 1) * _forward_time(dims, dev, layers, B, True, wp), 0.0)
     block = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, False, wp), 0.0)
     block_floor = jnp.where(k > 0, _block_draft_time(dims, dev, layers, k, True, wp), 0.0)
     draft = jnp.select([kind == 1, kind == 2, kind >= 3], [dev.step_overhead * 0.25, ls, block], 0.0)
     draft_floor = jnp.select([kind == 2, kind >= 3], [ls_floor, block_floor], 0.0)
     commit = jnp.where(speculative, dev.round_overhead, dev.round_overhead * 0.5)
-    tokens = jnp.where(speculative, expected_tokens(alpha, depth), 1.0)
+    tokens = B * jnp.where(speculative, expected_tokens(alpha, d), 1.0)
     host = tokens * dev.host_per_token  # paid per token, so per step it scales with tokens per step
+    # the serving engine reads progress back once per call: one synchronizing host round trip
+    host = host + jnp.where(steps_per_call > 0, dev.host_sync / jnp.maximum(steps_per_call, 1), 0.0)
     times = jnp.stack([verify, draft, commit, host])
     floors = jnp.stack([verify_floor, draft_floor, 0.0 * commit, 0.0 * host])
     return dict(tokens_per_step=tokens, step_time=times.sum(), floor_time=floors.sum(),
@@ -190,7 +221,8 @@ _COMPILED: dict = {}
 
 
 def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
-            tuned=None, tree_nodes=None) -> dict:
+            tuned=None, tree_nodes=None, budget=None, packed=None, steps_per_call=None,
+            two_level_k1=None) -> dict:
     """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
     bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); tree_nodes
     [C] (default 0: chains)
@@ -202,12 +234,14 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     lh12 = np.zeros((c, groups)) if lh12 is None else lh12
     tuned = np.zeros(c) if tuned is None else tuned
     tree_nodes = np.zeros(c) if tree_nodes is None else tree_nodes
+    serving = [np.zeros(c) if x is None else x for x in (budget, packed, steps_per_call, two_level_k1)]
     if (dims, dev) not in _COMPILED:
         _COMPILED[dims, dev] = jax.jit(jax.vmap(lambda *a: _one(dims, dev, *a)))
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),
                                jnp.asarray(layers, jnp.float32), jnp.asarray(alpha, jnp.float32),
                                jnp.asarray(bytes_factor, jnp.float32), jnp.asarray(lh12, jnp.float32),
-                               jnp.asarray(tuned, jnp.float32), jnp.asarray(tree_nodes, jnp.float32))
+                               jnp.asarray(tuned, jnp.float32), jnp.asarray(tree_nodes, jnp.float32),
+                               *(jnp.asarray(x, jnp.float32) for x in serving))
     return jax.tree.map(np.asarray, out)
 
 

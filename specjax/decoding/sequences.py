@@ -68,10 +68,12 @@ def stop_hit(tokens, lo, hi, stop_tokens: tuple[int, ...]) -> jax.Array:
 
 
 def commit(seqs: Sequences, new_tokens: jax.Array, num_new: jax.Array, gen: GenerationConfig,
-           margins: jax.Array | None = None, limit: jax.Array | None = None) -> Sequences:
+           margins: jax.Array | None = None, limit: jax.Array | None = None,
+           max_new: jax.Array | None = None) -> Sequences:
     """Append new_tokens[b, :num_new[b]] to each row that is not done; then update `done`.
 
     `limit` [B] (forcing mode) replaces the max-new-tokens rule: a row is done at that length.
+    `max_new` [B] (batched serving): per-row max new tokens instead of `gen.max_new_tokens`.
     """
     active = ~seqs.done
     num_new = jnp.where(active, num_new, 0)
@@ -85,7 +87,8 @@ def commit(seqs: Sequences, new_tokens: jax.Array, num_new: jax.Array, gen: Gene
         margins = seqs.margins
     length = start + num_new
     if limit is None:
-        finished = (length - seqs.prompt_len >= gen.max_new_tokens) | stop_hit(
+        cap = gen.max_new_tokens if max_new is None else max_new
+        finished = (length - seqs.prompt_len >= cap) | stop_hit(
             tokens, start, length, gen.stop_tokens)
     else:
         finished = length >= limit

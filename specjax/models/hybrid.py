@@ -26,7 +26,7 @@ from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import write_rows
 from specjax.models.linear import linear
 from specjax.models.rope import apply_rope
-from specjax.models.transformer import _attention, causal_slot_mask
+from specjax.models.transformer import dense_attention, causal_slot_mask
 
 
 @jax.tree_util.register_dataclass
@@ -126,7 +126,7 @@ def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache
     k_cache = write_rows(k_cache, k, start)
     v_cache = write_rows(v_cache, v, start)
     if kernels == "xla":
-        mixed = _attention(cfg, q, k_cache, v_cache, mask)  # reads num_heads, num_kv_heads, head_dim, q_size
+        mixed = dense_attention(cfg, q, k_cache, v_cache, mask)  # reads num_heads, num_kv_heads, head_dim, q_size
     else:  # the fused kernel (any mask: causal or a tree's); no slot at or past start + T is visible
         mixed = decode_attention(q, k_cache, v_cache, mask, start + q.shape[1], interpret=kernels == "interpret")
     return linear(mixed * jax.nn.sigmoid(gate), p.w_o), k_cache, v_cache

@@ -32,7 +32,7 @@ def causal_slot_mask(start: jax.Array, num_new: int, num_slots: int) -> jax.Arra
     return jnp.arange(num_slots)[None, None, :] <= query_slot[:, :, None]
 
 
-def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
+def dense_attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
     """q [B, T, Hq, hd], caches [B, S, Hkv, hd], mask [B, T, S] -> [B, T, Hq * hd]."""
     B, T = q.shape[:2]
     groups = cfg.num_heads // cfg.num_kv_heads
@@ -47,9 +47,28 @@ def _attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
 
 def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None,
            attention: str = "xla"):
-    """One decoder layer. `mix(h, sublayer)` (block drafters) transforms the normed input of the
-    attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block convolution.
-    `attention`: "xla", "pallas" or "interpret" (the fused kernel, pallas_kernels/decode_attention.py)."""
+    """One decoder layer over a dense cache. `mix(h, sublayer)` (block drafters) transforms the
+    normed input of the attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block
+    convolution. `attention`: "xla", "pallas" or "interpret" (the fused kernel,
+    pallas_kernels/decode_attention.py)."""
+    T = x.shape[1]
+
+    def attend(q, k, v):
+        kc = write_rows(k_cache, k, start)
+        vc = write_rows(v_cache, v, start)
+        if attention == "xla":
+            return dense_attention(cfg, q, kc, vc, mask), (kc, vc)
+        # no slot at or past start + T is visible (causal and tree masks alike)
+        return decode_attention(q, kc, vc, mask, start + T, interpret=attention == "interpret"), (kc, vc)
+
+    x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix)
+    return x, k_cache, v_cache
+
+
+def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None):
+    """One decoder layer with the K/V storage left to `attend(q, k, v) -> (mixed [B, T, q_size],
+    new storage)`, so the dense cache and the serving engine's paged cache share every other op
+    (and so their numerics). Returns (x, new storage)."""
     B, T, _ = x.shape
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     if mix is not None:
@@ -66,12 +85,7 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    k_cache = write_rows(k_cache, k, start)
-    v_cache = write_rows(v_cache, v, start)
-    if attention == "xla":
-        mixed = _attention(cfg, q, k_cache, v_cache, mask)
-    else:  # no slot at or past start + T is visible (causal and tree masks alike)
-        mixed = decode_attention(q, k_cache, v_cache, mask, start + T, interpret=attention == "interpret")
+    mixed, storage = attend(q, k, v)
     attn = linear(mixed, p.w_o)
     if p.b_o is not None:
         attn = attn + p.b_o
@@ -81,7 +95,7 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
         h = mix(h, 1)
     gate, up = jnp.split(linear(h, p.w_gate_up), 2, axis=-1)
     x = x + linear(jax.nn.silu(gate) * up, p.w_down)
-    return x, k_cache, v_cache
+    return x, storage
 
 
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,

@@ -26,11 +26,13 @@ from specjax.costmodel.model import ModelDims, conditional_acceptance, predict
 from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_bucket
 from specjax.drafters.factory import make_drafter
 from specjax.engine import Decoder
+from specjax.errors import ConfigError
 from specjax.forcing import check_token_forcing
 from specjax.models.loading import LoadedModel
 from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant, pilot_k
 
-STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default", "tree": None}
+STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default", "tree": None,
+                "serving": None}
 
 
 @dataclasses.dataclass
@@ -83,7 +85,11 @@ def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[st
                 tree_nodes=np.array([f["tree_nodes"] for f in feats]),
                 bytes_factor=np.array([[f[f"weights_{g}_bytes"] for g in WEIGHT_GROUPS] for f in feats]),
                 lh12=np.array([[f[f"weights_{g}_lh12"] for g in WEIGHT_GROUPS] for f in feats]),
-                tuned=np.array([f["kernels_tuned"] for f in feats]))
+                tuned=np.array([f["kernels_tuned"] for f in feats]),
+                budget=np.array([f["serving_budget"] for f in feats]),
+                packed=np.array([f["serving_packed"] for f in feats]),
+                steps_per_call=np.array([f["serving_steps"] for f in feats]),
+                two_level_k1=np.array([f["serving_k1"] for f in feats]))
 
 
 def engine_changes(config: dict) -> dict:
@@ -98,8 +104,9 @@ class Plan:
     dimensions and every candidate's physical floor. Shared by in-process and remote evaluators."""
 
     def __init__(self, target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, device,
-                 device_name: str):
+                 device_name: str, batch: int = 1):
         self.target, self.prompts = target, prompts
+        self.batch = batch  # requests served together: the cost model prices whole-batch steps
         stops = target.tokenizer.eos_ids if target.tokenizer else ()
         self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_tokens=tuple(stops))
         self.device, self.device_name = device, device_name  # cost-model numbers, and what runs here
@@ -110,8 +117,9 @@ class Plan:
         self.lh12_bits: tuple[float, float, float] | None = None
 
     def dims(self, k: int) -> ModelDims:
-        return ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k),
+        dims = ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k),
                             lh12_bits=self.lh12_bits)
+        return dataclasses.replace(dims, batch=self.batch)
 
     def floor_seconds(self, config: dict, tokens: int) -> float:
         """No real run of `tokens` tokens can be faster than this (12-bit weights lower it)."""
@@ -119,7 +127,7 @@ class Plan:
         k, kind = int(inputs["k"][0]), int(inputs["kind"][0])
         inputs["alpha"] = np.ones((1, 32))  # every draft accepted: the fewest steps possible
         p = predict(self.dims(k), self.device, **inputs)
-        steps = np.ceil(tokens / (k + 1 if kind else 1))
+        steps = np.ceil(tokens / (self.batch * (k + 1 if kind else 1)))  # a step serves the batch
         return float(steps * p["floor_time"][0])
 
     def evaluate_many(self, jobs: list[tuple[dict, int, dict | None]]) -> list[tuple[Measurement, Measurement | None]]:
@@ -141,7 +149,7 @@ class Evaluator(Plan):
                  device_name: str, forcing_tolerance: float = 1e-3, floor_tolerance: float = 0.1,
                  timer: Callable[[], float] = time.perf_counter,
                  build_decoder: Callable[[dict], Decoder] | None = None, batch: int = 1):
-        super().__init__(target, prompts, max_new_tokens, device, device_name)
+        super().__init__(target, prompts, max_new_tokens, device, device_name, batch)
         # the deployment's batch size: a run serves the prompts `batch` at a time
         self.batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         self.forcing_tolerance, self.floor_tolerance = forcing_tolerance, floor_tolerance
@@ -155,8 +163,17 @@ class Evaluator(Plan):
         kw = REGISTRY.apply(config)
         drafter = None if kw["drafter"] is None else make_drafter(
             kw["drafter"], self.target, kw["k"], prompts=self.prompts, max_new_tokens=self.gen.max_new_tokens)
+        changes = engine_changes(config)
+        if "serving" in changes:  # a batching mechanism: the continuous-batching engine, `batch` slots
+            from specjax.serving.decoder import ServingDecoder
+            rest = {k: v for k, v in changes.items() if k != "serving"}
+            if rest:
+                raise ConfigError(f"the serving engine runs bf16 XLA weights with chains; this config also "
+                                  f"sets {sorted(rest)}")
+            return ServingDecoder(self.target.cfg, self.target.params, self.gen, drafter,
+                                  num_slots=self.batch, options=changes["serving"], prompt_width=self.bucket)
         return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket,
-                       **engine_changes(config))
+                       **changes)
 
     def decoder(self, config: dict) -> Decoder:
         key = repr(sorted(config.items()))

@@ -271,3 +271,58 @@ REGISTRY.register(Mechanism(
     apply=lambda c: {"kernel_tiles": c.get("kernels.tiles", "default")},
     doc="which tile configs the GPU skinny GEMMs run with",
 ))
+
+# ----------------------------------------------------------------------------- batching (serving)
+
+SERVING_STEPS = (0, 1, 4, 16)  # 0: the batch engine (engine.Decoder); n: the serving engine, n steps per call
+
+
+def _serving_options(config: dict):
+    """The serving engine's ServingOptions, or None (stock: the batch engine). Any batching
+    mechanism switches to the continuous-batching engine (specjax/serving/); two-level
+    verification needs a chain of at least 2 drafts, trees stay on the batch engine."""
+    budget = int(config.get("serving.budget", 0))
+    packed = config.get("serving.packed", "off") == "on"
+    steps = int(config.get("serving.steps_per_call", 0))
+    k1 = int(config.get("serving.two_level_k1", 0))
+    k = int(config.get("drafter.k", 0)) if config.get("drafter.kind", "none") != "none" else 0
+    if k == 0:
+        budget, k1 = 0, 0
+    k1 = k1 if 0 < k1 < k else 0
+    if not (budget or packed or steps or k1) or tree_nodes(config):
+        return None
+    from specjax.serving.state import ServingOptions
+    return ServingOptions(budget=budget or None, packed=packed, steps_per_call=max(steps, 1),
+                          two_level_k1=k1 or None)
+
+
+def _serving_features(config: dict) -> dict[str, float]:
+    opts = _serving_options(config)
+    if opts is None:
+        return {"serving_budget": 0.0, "serving_packed": 0.0, "serving_steps": 0.0, "serving_k1": 0.0}
+    return {"serving_budget": float(opts.budget or 0), "serving_packed": float(opts.packed),
+            "serving_steps": float(opts.steps_per_call), "serving_k1": float(opts.two_level_k1 or 0)}
+
+
+REGISTRY.register(Mechanism(
+    name="batching",
+    params=(
+        ParamDef("serving.budget", "int", low=0, high=4096, default=0,
+                 doc="budgeted verification: draft tokens verified per step over the whole batch, the "
+                     "highest survival scores first; 0: every slot's k drafts",
+                 components=("verify",)),
+        ParamDef("serving.packed", "categorical", ("off", "on"), default="off",
+                 doc="packed ragged verification: only verified tokens enter the target forward, "
+                     "in one flat bucket, no per-slot padding", components=("verify",)),
+        ParamDef("serving.steps_per_call", "categorical", SERVING_STEPS, default=0,
+                 doc="device-resident steps: admission, verify steps and retirement per device call "
+                     "(1: a host round trip every step); 0: the batch engine", components=("host",)),
+        ParamDef("serving.two_level_k1", "int", low=0, high=31, default=0,
+                 doc="two-level verification: verify the first k1 drafts of every slot, the rest only "
+                     "where all k1 passed; 0: one level", components=("verify",)),
+    ),
+    component="verify",
+    features=_serving_features,
+    apply=lambda c: {"serving": _serving_options(c)},
+    doc="the continuous-batching engine's mechanisms (docs/design/serving.md)",
+))

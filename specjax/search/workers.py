@@ -211,8 +211,9 @@ class RayHandle:
 class RemoteEvaluator(Plan):
     """The loop's evaluator when candidates run in workers: same methods as the in-process one."""
 
-    def __init__(self, target, prompts, max_new_tokens, device, device_name, handles, timeout_s: float):
-        super().__init__(target, prompts, max_new_tokens, device, device_name)
+    def __init__(self, target, prompts, max_new_tokens, device, device_name, handles, timeout_s: float,
+                 batch: int = 1):
+        super().__init__(target, prompts, max_new_tokens, device, device_name, batch)
         self.handles, self.timeout_s = handles, timeout_s
         self.free: queue.Queue = queue.Queue()
         for h in handles:
@@ -310,4 +311,4 @@ def remote_evaluator(spec, target, prompts, cost_device, device_name, out_dir: P
     else:
         raise ValueError(f"evaluator kind {es.kind!r} is not remote")
     return RemoteEvaluator(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
-                           handles, es.timeout_s)
+                           handles, es.timeout_s, batch=spec.deployment.batch)

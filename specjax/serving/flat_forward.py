@@ -1,0 +1,83 @@
+"""The dense target's forward over one flat bucket of tokens from many slots (continuous batching).
+
+Each token carries a block-table row, a column (its place in that row's token list this step), a
+sequence position and a validity bit. The GEMMs, norms and MLP run on the T packed tokens; only
+attention regroups them: q is unpacked into [R, W] by the rows' token lists, each row's K/V are
+read from its pages as an [R, S] view, and the result is packed back. The layer code is the dense
+forward's own (`transformer.layer_with`), so the numerics are the same ops on the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig
+from specjax.models.params import ModelParams
+from specjax.models.rope import rope_cos_sin
+from specjax.models.transformer import dense_attention, layer_with, rms_norm
+from specjax.serving.paged_cache import PagedKVCache, gather_view, token_pages, write_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FlatBatch:
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] sequence positions (RoPE and K/V position)
+    row: jax.Array  # [T] block-table row
+    col: jax.Array  # [T] column in the row's token list
+    valid: jax.Array  # [T] bool: padding tokens write to the trash page and are never read
+    unpack: jax.Array  # [R, W] flat index of (row, column); 0 where the row has no such token
+
+    @property
+    def width(self) -> int:
+        return self.unpack.shape[1]
+
+
+def flat_batch(tokens, positions, row, col, valid, num_rows: int, width: int) -> FlatBatch:
+    T = tokens.shape[0]
+    r = jnp.where(valid, row, num_rows)  # out of range: dropped
+    unpack = jnp.zeros((num_rows, width), jnp.int32).at[r, col].set(jnp.arange(T, dtype=jnp.int32),
+                                                                     mode="drop")
+    return FlatBatch(tokens.astype(jnp.int32), positions.astype(jnp.int32), row.astype(jnp.int32),
+                     col.astype(jnp.int32), valid, unpack)
+
+
+def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,
+                 cache: PagedKVCache, taps: tuple[int, ...] = ()
+                 ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
+    """-> (final-normed hidden [T, D], tapped residuals [T, len(taps) * D] or None, new cache).
+
+    Causal within each row by position: the token at position p sees the row's positions <= p,
+    which are either committed or written by this very call (a chain's tokens)."""
+    page, offset = token_pages(pages, batch.row, batch.positions, batch.valid, cache.page_size)
+    qpos = batch.positions[batch.unpack]  # [R, W]
+    view_len = pages.shape[1] * cache.page_size
+    mask = jnp.arange(view_len)[None, None, :] <= qpos[:, :, None]  # [R, W, S]
+    # Pages are reused: past a row's last position this call writes, a view holds another
+    # request's leftovers, possibly NaN from a failed one, and 0 * NaN = NaN in the weighted sum
+    # over V even where the mask is 0. Zero V there, so one request cannot poison another.
+    last = jnp.full(pages.shape[0], -1, jnp.int32).at[batch.row].max(
+        jnp.where(batch.valid, batch.positions, -1))
+    live = (jnp.arange(view_len)[None, :] <= last[:, None])[:, :, None, None]  # [R, S, 1, 1]
+    cos, sin = rope_cos_sin(cfg, batch.positions[None])
+    x = params.embed[batch.tokens][None]  # [1, T, D]
+    new_k, new_v, tapped = [], [], {}
+    for i, (p, kp, vp) in enumerate(zip(params.layers, cache.k, cache.v)):
+        def attend(q, k, v, kp=kp, vp=vp):
+            kp = write_tokens(kp, k[0], page, offset)
+            vp = write_tokens(vp, v[0], page, offset)
+            v_view = jnp.where(live, gather_view(vp, pages), 0)
+            mixed = dense_attention(cfg, q[0][batch.unpack], gather_view(kp, pages), v_view,
+                                    mask)  # [R, W, q_size]
+            return mixed[batch.row, batch.col][None], (kp, vp)
+        x, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend)
+        new_k.append(kp)
+        new_v.append(vp)
+        if i in taps:
+            tapped[i] = x[0]
+    features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return x[0], features, PagedKVCache(k=new_k, v=new_v)
