@@ -141,9 +141,12 @@ def init_state(cfg, drafter, num_slots: int, slot_len: int, page_size: int, num_
                     committed=zo, accepted_hist=jnp.zeros((O, k + 1), jnp.int32), failed=jnp.zeros(O, bool), mismatch=f.mismatch,
                     engine_token=f.engine_token, checked=f.checked, count=jnp.int32(0))
     free = jnp.ones(num_pages, bool).at[TRASH_PAGE].set(False)
-    return ServingState(slots=slots, cache=init_paged_cache(cfg, num_pages, page_size), free=free,
+    state = ServingState(slots=slots, cache=init_paged_cache(cfg, num_pages, page_size), free=free,
                         dstate=empty_drafter_state(drafter, B, L, prompt_width, cfg),
                         queue=queue, outbox=outbox, key=jax.random.PRNGKey(seed))
+    # one buffer per leaf: several leaves above share one zeros array, and a donated call may not
+    # receive the same buffer twice
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
 def empty_drafter_state(drafter, rows: int, slot_len: int, prompt_width: int, cfg):
