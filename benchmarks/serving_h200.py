@@ -149,13 +149,14 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     n_prompts = max(2 * max(batches), 8)
     if part == "smollm2":
-        from specjax.drafters.factory import make_drafter
         from specjax.models.loading import load_model
         from specjax.prompts import humaneval_prompts
         model = load_model(args.gguf, dtype="bfloat16")
         cfg, params = model.cfg, model.params
         prompts = [model.tokenizer.encode(p)[:160] for p in humaneval_prompts(n_prompts)]
-        drafter = make_drafter("block", model, K)
+        from specjax.drafters.block_train import load_block_drafter
+        from specjax.drafters.trained import drafter_path
+        drafter = load_block_drafter(drafter_path("smollm2-135m", K + 1), params, cfg)
         report["meta"]["drafter"] = "trained block drafter (shipped, block 8)"
     else:
         cfg = tiny() if part == "smoke" else llama3_8b()
