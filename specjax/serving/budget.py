@@ -10,8 +10,8 @@ from specjax.serving.flat_forward import FlatBatch, flat_batch
 
 
 def survival_scores(confidence: jax.Array) -> jax.Array:
-    """confidence [B, k] (the drafter's probability of each draft, or the slot's running
-    acceptance rate) -> [B, k] estimated probability that draft i is reached and accepted."""
+    """confidence [B, k] (the drafter's peak probability at each position, or the slot's running
+    acceptance rate; never the probability of the drawn draft, see step.py) -> [B, k] estimated probability that draft i is reached and accepted."""
     return jnp.cumprod(jnp.clip(confidence, 0.0, 1.0), axis=1)
 
 

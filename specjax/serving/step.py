@@ -123,8 +123,13 @@ def verify_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, opts: 
     else:
         k = drafter.k
         draft, q, dstate = drafter.propose(dstate, seqs, key_d, gen.sampling)
+    # Which drafts get verified must not depend on the drafted tokens themselves: choosing by
+    # q(d_i) would verify the drafts that happened to be likely under q, and rejection sampling's
+    # residual is calibrated for verifying every draw (the sampled output drifted off the target:
+    # tests/test_serving_sampling.py). The drafter's peak probability per position is a function
+    # of the context and the earlier drafts only, and so is the running acceptance rate.
     confidence = (jnp.broadcast_to(s.accept_rate[:, None], (B, k)) if q is None else
-                  jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0])
+                  jnp.max(q, axis=-1))
     n_drafts = admitted_drafts(confidence, active, opts.budget)
     table = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
     first_pos = seqs.length - 1
