@@ -17,9 +17,10 @@ served B at a time; throughput = generated tokens / wall seconds of `engine.run(
 included: that is what mechanism 3 removes), after a warm-up run that compiles. Configurations:
 AR (device-resident), stock (chain k = 7, padded, no budget, one host round trip per step), then at
 `--ladder-batch` the mechanisms added one at a time (budget, packed, device-resident steps,
-two-level), and at every B all of them. The budget is chosen from the cost of a verify pass at
-each token count as the cost model prices it with the H200's measured read bandwidth and matmul
-rate (`choose_budget`). Every output is compared with AR's token for token (bf16 on a GPU: a
+two-level), and at every B all of them. The budget is chosen (`choose_budget`) from the cost of
+a verify pass at each token count: measured first (`serving/profile.py`, the default) or as the
+cost model prices it with the H200's read bandwidth and matmul rate (`--budget-from costmodel`,
+what the 2026-12-04 results used). Every output is compared with AR's token for token (bf16 on a GPU: a
 near-tie can flip; the count is reported, never hidden). JSON to $OUT/serving_h200_<part>.json
 after every configuration; a short table last.
 """
@@ -138,6 +139,9 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--budget-from", choices=["profile", "costmodel"], default="profile",
+                    help="price of a verify pass per token count: measured here (verify_profile) or "
+                         "the cost model's H200 figures (the 2026-12-04 results used costmodel)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(os.environ.get("OUT", "."))
@@ -182,7 +186,16 @@ def main(argv=None):
     alpha = load_profile(PROFILE if part != "smollm2" else PROFILE.with_name("smollm2-135m-block8.profile.json"))[:K]
     report["meta"]["budget_profile_alpha"] = alpha
     for batch in batches:
-        budget = choose_budget(verify_cost(cfg, batch, slot_len), alpha, batch, K)
+        if args.budget_from == "profile":
+            from specjax.serving.profile import interpolate, verify_profile
+            counts = sorted({batch * (1 + d) for d in range(K + 1)})
+            prof = verify_profile(params, cfg, batch, slot_len, counts)
+            report.setdefault("verify_profile", {})[f"B{batch}"] = prof
+            price = interpolate(prof)
+        else:
+            price = verify_cost(cfg, batch, slot_len)
+        budget = choose_budget(price, alpha, batch, K)
+        report.setdefault("budget", {})[f"B{batch}"] = budget
         for name, opts, spec in configs(batch, budget, batch == args.ladder_batch):
             key = f"B{batch}/{name}"
             if time.time() - T0 > args.deadline_s:

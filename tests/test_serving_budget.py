@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from specjax.serving.budget import admitted_drafts, choose_budget, layout
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, release
@@ -55,3 +56,14 @@ def test_pages_are_allocated_and_released_on_device():
     assert row2.tolist() == [4, 5, TRASH_PAGE, TRASH_PAGE]
     free = release(free, jnp.stack([row, row2]), jnp.asarray([True, False]))
     assert np.nonzero(np.asarray(free))[0].tolist() == [1, 2, 3, 6, 7]
+
+
+def test_verify_profile_measures_each_token_count():
+    from conftest import tiny_model
+    from specjax.serving.profile import interpolate, verify_profile
+    cfg, params = tiny_model(seed=0, num_layers=1)
+    prof = verify_profile(params, cfg, batch=2, slot_len=32, token_counts=[2, 8], page_size=8, reps=2)
+    assert sorted(prof) == [2, 8] and all(t > 0 for t in prof.values())
+    seconds = interpolate(prof)
+    assert seconds(5) == pytest.approx((prof[2] + prof[8]) / 2)
+    assert choose_budget(seconds, [0.9] * 3, batch=2, k=3) >= 1
