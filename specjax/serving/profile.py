@@ -33,8 +33,10 @@ def verify_profile(params, cfg, batch: int, slot_len: int, token_counts, page_si
         counts = jnp.asarray(np.minimum(width, np.maximum(T - np.arange(batch) * width, 0)), jnp.int32)
         table = jnp.ones((batch, width), jnp.int32)
 
+        # the weights are an argument: closed over, jit would embed them as constants (for an 8B
+        # target 16 GB of them, and a compile that never ends; docs/notes/perf.md)
         @jax.jit
-        def passes(cache, params=params, counts=counts, table=table, T=T, width=width):
+        def passes(params, cache, counts=counts, table=table, T=T, width=width):
             def body(_, carry):
                 cache, acc = carry
                 batch_ = layout(table, first, 0, width, counts, True, T)
@@ -42,9 +44,9 @@ def verify_profile(params, cfg, batch: int, slot_len: int, token_counts, page_si
                 return cache, acc + target_logits(params, cfg, hidden[:1])[0, 0]
             return jax.lax.fori_loop(0, reps, body, (cache, jnp.float32(0)))
 
-        jax.block_until_ready(passes(cache))  # compile + warm up
+        jax.block_until_ready(passes(params, cache))  # compile + warm up
         t = time.perf_counter()
-        cache, _ = jax.block_until_ready(passes(cache))
+        cache, _ = jax.block_until_ready(passes(params, cache))
         out[int(T)] = (time.perf_counter() - t) / reps
     return out
 
