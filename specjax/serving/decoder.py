@@ -22,7 +22,6 @@ class ServingDecoder:
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.num_slots, self.options, self.page_size = num_slots, options, page_size
         self.prompt_width = prompt_width
-        self.kernels, self.tree = "xla", None
 
     def _shape(self, prompts):
         width = max(self.prompt_width, max(len(p) for p in prompts))
