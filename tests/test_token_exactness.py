@@ -106,7 +106,7 @@ def random_case(draw):
                 stop=draw(st.sampled_from([(), (0,), (1, 2)])))
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(random_case())
 def test_random_configs_chain_equals_ar(case):
