@@ -5,8 +5,8 @@ and tree vs chain vs plain decode for a hybrid (Gated DeltaNet 3 : 1 attention) 
 
 A verify step here is what the engine runs per round minus the drafter: the target forward over
 the N + 1 nodes (pending token + N drafted) under the tree's mask, the logits, the greedy
-choice, and the commit of an accepted path (dense: K/V moved; hybrid: each GDN state replayed
-along the path). Each timing is R dependent steps inside one jit (the next step's tokens are this
+choice, and the commit of an accepted path (dense: K/V moved; hybrid: the path's tokens deferred,
+and replayed into each GDN state at the head of the next step's forward). Each timing is R dependent steps inside one jit (the next step's tokens are this
 step's choices), median of 3. Checks first: the tree GDN kernel against the XLA parallel form,
 and the hybrid's tree and chain verify logits against each other on a chain. Writes
 $OUT/trees_h200.json and prints a short table last.
@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.models.target import (chain_ancestors, init_target_cache, move_kv, target_commit,  # noqa: E402
-                                   target_forward, target_logits, target_verify)
+                                   target_forward, target_logits, target_verify, with_replay_width)
 from specjax.search.kernel_timer import median_seconds  # noqa: E402
 from specjax.trees.shape import TreeShape  # noqa: E402
 
@@ -98,6 +98,8 @@ def verify_loop(params, cfg, shape: TreeShape | None, chain_t: int = 0, reps: in
         positions = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
         path = jnp.arange(n, dtype=jnp.int32)[None]
     accepted = jnp.full((B,), path.shape[1] - 1, jnp.int32)
+    if shape is not None or chain_t:  # a hybrid cache defers each accepted path to the next forward
+        cache = with_replay_width(params, cfg, cache, path.shape[1])
 
     def step(params, cache, tokens):
         if shape is None and chain_t == 0:  # plain decode
@@ -225,22 +227,39 @@ def hybrid_part(smoke: bool) -> dict:
             out[name] = row
             RESULTS["hybrid"] = out
             save()
-    for n in HYBRID_NODES:  # transient per-step record vs N per-position state snapshots
-        pend = guarded(pending_bytes, cfg, params, TreeShape.for_budget(n, min(n, DEPTH)))
-        out[f"N{n}_memory"] = {"pending_record_bytes": pend, "snapshots_bytes": n * (state_bytes + conv_bytes),
-                               "ours_over_one_state": (state_bytes + conv_bytes + pend) / (state_bytes + conv_bytes)}
+    out.update(memory_part(smoke))
     return out
 
 
-def pending_bytes(cfg, params, shape: TreeShape) -> int:
-    cache = init_target_cache(cfg, 1, CONTEXT + 128)
+def memory_part(smoke: bool) -> dict:
+    """Per-request memory of the hybrid shape's tree verification, from shapes alone (abstract
+    weights: runs anywhere): what a step keeps besides the one state, vs N per-position snapshots."""
+    from specjax.models.hybrid import init_random_hybrid_params
+    from specjax.models.hybrid_config import HybridConfig
+    cfg = HybridConfig(**(SMOKE_HYBRID if smoke else HYBRID_8B))
+    params = jax.eval_shape(lambda: init_random_hybrid_params(cfg, jax.random.PRNGKey(1)))
+    cache = jax.eval_shape(lambda: init_target_cache(cfg, 1, 8))
+    one = sum(x.size * x.dtype.itemsize for x in cache.state + cache.conv)
+    out = {}
+    for n in HYBRID_NODES:
+        kept = guarded(deferred_bytes, cfg, params, TreeShape.for_budget(n, min(n, DEPTH)))
+        out[f"N{n}_memory"] = {"one_state_and_windows_bytes": one, "kept_between_verify_and_commit_bytes": kept,
+                               "snapshots_bytes": n * one, "ours_over_one_state": (one + kept) / one}
+    return out
+
+
+def deferred_bytes(cfg, params, shape: TreeShape) -> int:
+    """Bytes a request holds beyond its states and K/V across a verify step: verify's `pending`
+    (what the commit needs) and the cache's deferred-path buffer (tokens, length, start)."""
+    cache = with_replay_width(params, cfg, init_target_cache(cfg, 1, CONTEXT + 128), shape.max_depth + 1)
     start = jnp.full((1,), CONTEXT, jnp.int32)
     mask, parents, anc = tree_inputs(shape, start, cache.num_slots)
     positions = start[:, None] + jnp.asarray(shape.depths)[None, :]
     tokens = jnp.zeros((1, shape.num_nodes), jnp.int32)
-    shapes = jax.eval_shape(lambda c: target_verify(params, cfg, tokens, positions, c, start, (), mask, parents,
-                                                    anc, shape.max_depth)[3], cache)
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
+    pending = jax.eval_shape(lambda p, c: target_verify(p, cfg, tokens, positions, c, start, (), mask, parents,
+                                                        anc, shape.max_depth)[3], params, cache)
+    kept = [pending, cache.replay, cache.replay_len, cache.replay_start]
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(kept)))
 
 
 SMOKE_DENSE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -254,7 +273,7 @@ SMOKE_HYBRID = dict(HYBRID_8B, vocab_size=256, hidden_size=64, intermediate_size
 def main():
     global NODES, HYBRID_NODES, VARIANTS
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="dense,hybrid")
+    ap.add_argument("--parts", default="dense,hybrid", help="any of dense, hybrid, memory (shapes only)")
     ap.add_argument("--variants", default="xla,pallas")
     ap.add_argument("--deadline-s", type=float, default=float("inf"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
@@ -265,7 +284,7 @@ def main():
         NODES, HYBRID_NODES = [1, 8], [8]
     parts = args.parts.split(",")
     for part in parts:
-        RESULTS[part] = (hybrid_part if part == "hybrid" else dense_part)(args.smoke)
+        RESULTS[part] = {"hybrid": hybrid_part, "dense": dense_part, "memory": memory_part}[part](args.smoke)
     save()
     print("\nverify step, ms (1k context, batch 1)")
     for part in ("dense", "hybrid"):
@@ -274,9 +293,9 @@ def main():
             if isinstance(row, dict):
                 print(f"{part:6s} {name:6s} " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
     for n in HYBRID_NODES:
-        mem = RESULTS.get("hybrid", {}).get(f"N{n}_memory")
+        mem = RESULTS.get("hybrid", RESULTS.get("memory", {})).get(f"N{n}_memory")
         if mem:
-            print(f"hybrid N={n}: state memory per request {mem['ours_over_one_state']:.3f}x one state "
+            print(f"hybrid N={n}: state memory per request {mem['ours_over_one_state']:.6f}x one state "
                   f"(snapshots: {n}x)")
 
 

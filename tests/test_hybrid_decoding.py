@@ -85,37 +85,63 @@ def test_padding_never_reaches_the_recurrent_state():
     assert int(seqs_b.pending()[0]) == int(seqs_a.pending()[0])
 
 
-def test_committed_state_is_plain_decoding_bit_for_bit():
-    """After a verify step, each GDN layer's state and window equal, bit for bit, what plain
-    decoding (one `gdn_advance` call per token) computes from the same projections; rows stop at
-    their own path length."""
-    from specjax.models.gated_deltanet import gdn_advance
-    from specjax.models.hybrid import init_hybrid_cache
-    from specjax.models.hybrid_tree import PendingGDN, commit_states
+def test_replayed_path_is_plain_decoding_bit_for_bit():
+    """The replay of a deferred path gives each GDN layer the state and window that plain decoding
+    (one `gdn_advance` call per token) computes from the same projections, bit for bit; rows stop
+    at their own path length."""
+    from specjax.models.gated_deltanet import gdn_advance, gdn_project
+    from specjax.models.hybrid_tree import gdn_replay
     cfg = hybrid_config(11)
     params = init_random_hybrid_params(cfg, jax.random.PRNGKey(11), scale=0.3)
     rng = np.random.default_rng(11)
-    B, N, Hv = 2, 8, cfg.linear_num_value_heads
-    cache = init_hybrid_cache(cfg, B, 16)
-    cache.state = [jnp.asarray(rng.normal(size=s.shape), jnp.float32) for s in cache.state]
-    cache.conv = [jnp.asarray(rng.normal(size=c.shape), jnp.float32) for c in cache.conv]
-    pending = [PendingGDN(jnp.asarray(rng.normal(size=(B, N, cfg.conv_dim)), jnp.float32),
-                          jnp.asarray(rng.normal(size=(B, N, Hv)), jnp.float32),
-                          jnp.asarray(rng.normal(size=(B, N, Hv)), jnp.float32)) for _ in cfg.gdn_layers]
-    path = jnp.array([[0, 2, 4, 4, 4], [0, 1, 3, 6, 7]], jnp.int32)  # row 0 accepts 2 drafts, row 1 all 4
-    num_accepted = jnp.array([2, 4], jnp.int32)
-    states, windows = jax.jit(commit_states, static_argnums=1)(params, cfg, cache, pending, path, num_accepted)
+    B, R = 2, 5
+    counts = jnp.array([3, 5], jnp.int32)  # row 0 accepted 2 drafts, row 1 all 4
+    replay = jax.jit(gdn_replay, static_argnums=1)
     decode = jax.jit(gdn_advance, static_argnums=1)
-    counts = jnp.array([3, 5], jnp.int32)
-    for n, layer in enumerate(cfg.gdn_layers):
-        p, r = params.layers[layer].gdn, pending[n]
-        s, w = cache.state[n], cache.conv[n]
-        for d in range(path.shape[1]):  # one token per call, a row past its path masked out
-            node = path[:, d:d + 1, None]
-            step = [jnp.take_along_axis(x, node, axis=1) for x in (r.conv_in, r.b, r.a)]
-            _, s, w = decode(p, cfg, s, w, *step, (d < counts).astype(jnp.int32))
-        np.testing.assert_array_equal(np.asarray(states[n]), np.asarray(s))
-        np.testing.assert_array_equal(np.asarray(windows[n]), np.asarray(w))
+    for layer in cfg.gdn_layers:
+        p = params.layers[layer].gdn
+        s0 = jnp.asarray(rng.normal(size=(B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim)), jnp.float32)
+        w0 = jnp.asarray(rng.normal(size=(B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)), jnp.float32)
+        h = jnp.asarray(rng.normal(size=(B, R, cfg.hidden_size)), jnp.float32)
+        _, state, window = replay(p, cfg, h, s0, w0, counts)
+        conv_in, _, b, a = gdn_project(p, cfg, h)
+        s, w = s0, w0
+        for d in range(R):  # one token per call, a row past its path masked out
+            _, s, w = decode(p, cfg, s, w, conv_in[:, d:d + 1], b[:, d:d + 1], a[:, d:d + 1],
+                             (d < counts).astype(jnp.int32))
+        np.testing.assert_array_equal(np.asarray(state), np.asarray(s))
+        np.testing.assert_array_equal(np.asarray(window), np.asarray(w))
+
+
+def test_verify_defers_the_path_and_settling_equals_plain_decoding():
+    """A verify step leaves every GDN state as it was and the commit stores only the accepted
+    path's tokens (R ints a row: no per-node record); settling the cache replays them, giving the
+    states plain decoding reaches over the same tokens."""
+    from specjax.models.target import (chain_verify, target_commit, target_forward, target_settle,
+                                       with_replay_width)
+    cfg = hybrid_config(12)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(12), scale=0.3)
+    gen = GenerationConfig(max_new_tokens=4)
+    prompt = jnp.array([[5, 9, 11, 4, 20, 7]], jnp.int32)
+    cache, seqs, _, _ = prefill(params, cfg, gen, prompt, jnp.array([6]), 32, jax.random.PRNGKey(0))
+    pos = seqs.length - 1
+    tokens = jnp.concatenate([seqs.pending()[:, None], jnp.array([[13, 2, 40]], jnp.int32)], axis=1)
+    positions = pos[:, None] + jnp.arange(4)[None, :]
+    prepared = with_replay_width(params, cfg, cache, 4)
+    _, _, verified, pending = chain_verify(params, cfg, tokens, positions, prepared, pos, ())
+    for a, b in zip(verified.state + verified.conv, cache.state + cache.conv):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    path = jnp.arange(4, dtype=jnp.int32)[None]
+    committed = target_commit(params, cfg, verified, pending, path, jnp.array([2]), pos, is_chain=True)
+    assert committed.replay.shape == (1, 4) and int(committed.replay_len[0]) == 3
+    settled = target_settle(params, cfg, committed)
+    plain = cache
+    for d in range(3):  # the root and two drafts, one AR step each
+        _, _, plain = target_forward(params, cfg, tokens[:, d:d + 1], positions[:, d:d + 1], plain, pos + d)
+    for a, b in zip(settled.state + settled.conv, plain.state + plain.conv):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert int(settled.replay_len[0]) == 0
 
 
 @pytest.mark.parametrize("builder,nodes", [("topk", 6), ("static", 1), ("best_first", 12)])

@@ -18,7 +18,7 @@ from specjax.decoding.sequences import GenerationConfig, Sequences, commit, pref
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
-from specjax.models.target import chain_path, chain_verify, target_commit, target_logits
+from specjax.models.target import chain_path, chain_verify, target_commit, target_logits, with_replay_width
 from specjax.sampling import probabilities, top2_margin
 from specjax.verification.chain import greedy_accept, leading_true, rejection_accept
 
@@ -131,6 +131,7 @@ def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots)
 def chain_decode(target, cfg, drafter, gen, cache, dstate, seqs, key, forced=None):
     """Run chain steps until every row is done -> (sequences, stats, forced)."""
     stats = ChainStats.zeros(seqs.length.shape[0], drafter.k)
+    cache = with_replay_width(target, cfg, cache, drafter.k + 1)  # a hybrid cache defers accepted paths
 
     def cond(carry):
         return ~jnp.all(carry[2].done)

@@ -20,7 +20,7 @@ from specjax.decoding.sequences import GenerationConfig, Sequences
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
-from specjax.models.target import target_commit, target_logits, target_verify
+from specjax.models.target import target_commit, target_logits, target_verify, with_replay_width
 from specjax.sampling import SamplingConfig, probabilities, top2_margin
 from specjax.trees.builders import LOGP_FLOOR, TreeSpec, as_tree_spec, build_tree
 from specjax.trees.tree import Tree
@@ -96,6 +96,7 @@ def tree_decode(target, cfg, drafter, gen, tree, cache, dstate, seqs, key, force
     (or a `TreeShape`: the static builder)."""
     spec = as_tree_spec(tree)
     stats = ChainStats.zeros(seqs.length.shape[0], spec.max_depth)
+    cache = with_replay_width(target, cfg, cache, spec.max_depth + 1)  # a hybrid cache defers accepted paths
 
     def body(carry):
         cache, dstate, seqs, stats, forced, key = carry

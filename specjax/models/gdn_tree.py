@@ -11,8 +11,9 @@ a unit lower-triangular system (nodes are in topological order) solved once for 
 chunkwise (UT-transform) form of a chain with the causal mask replaced by the ancestor mask and
 prefix sums by path sums (docs/design/hybrid.md). A chain is the special case ancestors = lower.
 
-The committed state is not taken from this form: the commit replays the accepted path with the
-decode step itself (`hybrid_tree.commit_states`), so it is plain decoding's state bit for bit.
+The committed state is not taken from this form: the accepted path is replayed with the decode step
+itself at the head of the next forward (`hybrid_tree.gdn_replay`), so it is plain decoding's state
+bit for bit, given the same projections.
 """
 
 from __future__ import annotations

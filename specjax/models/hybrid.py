@@ -21,7 +21,7 @@ import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention
 from specjax.models.gated_deltanet import GDNParams, gdn_layer
-from specjax.models.hybrid_tree import gdn_tree_layer
+from specjax.models.hybrid_tree import gdn_replay, gdn_tree_layer
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import write_rows
 from specjax.models.linear import linear
@@ -71,10 +71,19 @@ class HybridCache:
     v: list[jax.Array]
     state: list[jax.Array]  # per GDN layer [B, Hv, dk, dv] float32
     conv: list[jax.Array]  # per GDN layer [B, K-1, conv_dim]: the last K-1 conv inputs
+    # The last verify step's accepted path, committed (its K/V in place) but not yet in the GDN
+    # states: the next forward replays it first, with the decode step's own function
+    # (docs/design/hybrid.md). Width R = the longest path a step can accept (0: nothing deferred).
+    replay: jax.Array  # [B, R] int32 tokens, at slots (= positions) replay_start + 0 .. R - 1
+    replay_len: jax.Array  # [B] int32: how many of them are real (0: none)
+    replay_start: jax.Array  # [B] int32
 
     @property
     def num_slots(self) -> int:
         return self.k[0].shape[1] if self.k else 0
+
+    def replaced(self, **changes) -> "HybridCache":
+        return dataclasses.replace(self, **changes)
 
 
 def init_hybrid_cache(cfg: HybridConfig, batch: int, num_slots: int) -> HybridCache:
@@ -83,10 +92,12 @@ def init_hybrid_cache(cfg: HybridConfig, batch: int, num_slots: int) -> HybridCa
     state = (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     conv = (batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
     n_attn, n_gdn = len(cfg.attn_layers), len(cfg.gdn_layers)
+    zeros = jnp.zeros((batch,), jnp.int32)
     return HybridCache(k=[jnp.zeros(kv, dtype) for _ in range(n_attn)],
                        v=[jnp.zeros(kv, dtype) for _ in range(n_attn)],
                        state=[jnp.zeros(state, jnp.float32) for _ in range(n_gdn)],
-                       conv=[jnp.zeros(conv, dtype) for _ in range(n_gdn)])
+                       conv=[jnp.zeros(conv, dtype) for _ in range(n_gdn)],
+                       replay=jnp.zeros((batch, 0), jnp.int32), replay_len=zeros, replay_start=zeros)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -112,9 +123,20 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     return jnp.concatenate([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], axis=-1)
 
 
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots: jax.Array | None) -> jax.Array:
+    """new [B, T, ...] at slots start .. start + T - 1, or at explicit `slots` [B, T] (a slot past
+    the buffer drops its row)."""
+    if slots is None:
+        return write_rows(buf, new, start)
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
+
+
 def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache, v_cache, start, mask,
-                     kernels: str = "xla"):
-    """h [B, T, D] (normed) -> (out [B, T, D], new caches). Output scaled by sigmoid(gate) per channel."""
+                     kernels: str = "xla", slots: jax.Array | None = None, kv_end: jax.Array | None = None):
+    """h [B, T, D] (normed) -> (out [B, T, D], new caches). Output scaled by sigmoid(gate) per channel.
+    slots: where each row's K/V goes (default: contiguous from start); kv_end [B]: no slot at or
+    past it is visible (default start + T)."""
     B, T, _ = h.shape
     q, gate, k, v = jnp.split(linear(h, p.w_qgkv),
                               [cfg.q_size, 2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
@@ -123,12 +145,13 @@ def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     q = apply_partial_rope(q, cos, sin)
     k = apply_partial_rope(k, cos, sin)
-    k_cache = write_rows(k_cache, k, start)
-    v_cache = write_rows(v_cache, v, start)
+    k_cache = _write(k_cache, k, start, slots)
+    v_cache = _write(v_cache, v, start, slots)
     if kernels == "xla":
         mixed = dense_attention(cfg, q, k_cache, v_cache, mask)  # reads num_heads, num_kv_heads, head_dim, q_size
-    else:  # the fused kernel (any mask: causal or a tree's); no slot at or past start + T is visible
-        mixed = decode_attention(q, k_cache, v_cache, mask, start + q.shape[1], interpret=kernels == "interpret")
+    else:  # the fused kernel (any mask: causal or a tree's)
+        end = start + q.shape[1] if kv_end is None else kv_end
+        mixed = decode_attention(q, k_cache, v_cache, mask, end, interpret=kernels == "interpret")
     return linear(mixed * jax.nn.sigmoid(gate), p.w_o), k_cache, v_cache
 
 
@@ -154,36 +177,60 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
     valid [B]: each row's real tokens (the rest, right-padding, never reaches a GDN state).
     taps: layers whose output residual stream is returned, joined along features (block drafters).
     tree: (parents [B, T], ancestors [B, T, T], depth) to verify T tree nodes: GDN layers compute
-    every node's output from the committed state (`hybrid_tree.py`) and leave the state and window
-    as they are; `pending` then holds each GDN layer's per-node inputs for `commit_states`."""
-    T = tokens.shape[1]
+    every node's output from the state (`hybrid_tree.py`) and do not advance over them; `pending`
+    is then the nodes' tokens, from which `target_commit` takes the accepted path to replay.
+
+    A deferred path in the cache (`HybridCache.replay`, R rows) runs first, as rows ahead of the
+    T tokens: its K/V are rewritten at their own slots, and each GDN layer advances its state and
+    window over it one token per `gdn_advance` call (plain decoding's step) before the T tokens
+    see the state. Its rows are dropped from what is returned."""
+    T, R, S = tokens.shape[1], cache.replay.shape[1], cache.num_slots
     if mask is None:
-        mask = causal_slot_mask(start, T, cache.num_slots)
+        mask = causal_slot_mask(start, T, S)
+    slots = kv_end = None
+    if R:
+        r_slots = cache.replay_start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [B, R]
+        r_live = jnp.arange(R)[None, :] < cache.replay_len[:, None]
+        r_mask = jnp.arange(S)[None, None, :] <= r_slots[:, :, None]  # causal; the path precedes start
+        slots = jnp.concatenate([jnp.where(r_live, r_slots, S),  # S: the row writes nothing
+                                 start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]], axis=1)
+        tokens = jnp.concatenate([cache.replay, tokens], axis=1)
+        positions = jnp.concatenate([r_slots, positions], axis=1)
+        mask = jnp.concatenate([r_mask, mask], axis=1)
+        kv_end = start + T
     x = params.embed[tokens]
     cos, sin = rope_cos_sin(cfg, positions)
-    new = HybridCache(k=list(cache.k), v=list(cache.v), state=list(cache.state), conv=list(cache.conv))
+    new = cache.replaced(k=list(cache.k), v=list(cache.v), state=list(cache.state), conv=list(cache.conv),
+                         replay_len=jnp.zeros_like(cache.replay_len))
     attn_index = {layer: n for n, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: n for n, layer in enumerate(cfg.gdn_layers)}
-    pending, tapped = [], {}
+    tapped = {}
     for i, p in enumerate(params.layers):
         h = rms_norm(x, p.in_norm, cfg.rms_norm_eps)
         if i in attn_index:
             n = attn_index[i]
             out, new.k[n], new.v[n] = _gated_attention(cfg, p, h, cos, sin, new.k[n], new.v[n], start, mask,
-                                                       params.kernels)
-        elif tree is not None:
-            out, record = gdn_tree_layer(p.gdn, cfg, h, new.state[gdn_index[i]], new.conv[gdn_index[i]], tree,
-                                         params.kernels)
-            pending.append(record)
+                                                       params.kernels, slots, kv_end)
         else:
             n = gdn_index[i]
-            out, new.state[n], new.conv[n] = gdn_layer(p.gdn, cfg, h, new.state[n], new.conv[n], valid)
+            state, window, outs = new.state[n], new.conv[n], []
+            if R:
+                out_r, state, window = gdn_replay(p.gdn, cfg, h[:, :R], state, window, cache.replay_len)
+                outs.append(out_r)
+            if tree is not None:
+                outs.append(gdn_tree_layer(p.gdn, cfg, h[:, R:], state, window, tree, params.kernels))
+            else:
+                out_t, state, window = gdn_layer(p.gdn, cfg, h[:, R:], state, window, valid)
+                outs.append(out_t)
+            new.state[n], new.conv[n] = state, window
+            out = jnp.concatenate(outs, axis=1) if R else outs[0]
         x = x + out
         x = x + _mlp(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
         if i in taps:
-            tapped[i] = x
+            tapped[i] = x[:, R:]
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), features, new, pending
+    pending = tokens[:, R:] if tree is not None else None
+    return rms_norm(x[:, R:], params.final_norm, cfg.rms_norm_eps), features, new, pending
 
 
 def hybrid_logits(params: HybridParams, hidden: jax.Array) -> jax.Array:

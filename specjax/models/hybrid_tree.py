@@ -1,16 +1,14 @@
-"""The GDN layer of a verify step (a tree of N nodes; a chain is a tree) and the commit after it.
+"""The GDN layer of a verify step (a tree of N nodes; a chain is a tree), and the replay that
+advances a GDN state over an accepted path.
 
 Verify: each node's conv window is gathered along its path, and every node's output comes from the
-committed state by the tree-parallel form (`gdn_tree.gdn_tree_parallel` on XLA, the Pallas kernel
-`tree_gdn` otherwise); the layer's state and window stay as they are, and its per-node inputs go
-to a pending record (its projections). Commit: the accepted path's projections are replayed by
-`gdn_advance`, the decode step's own function, from the committed state and window
-(docs/design/hybrid.md).
+layer's state by the tree-parallel form (`gdn_tree.gdn_tree_parallel` on XLA, the Pallas kernel
+`tree_gdn` otherwise); the state and window are not advanced over the nodes. Replay: the accepted
+path, deferred to the next forward (`HybridCache.replay`), runs through `gdn_advance`, the decode
+step's own function, one token per call (docs/design/hybrid.md).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +17,6 @@ from specjax.models.gated_deltanet import GDNParams, gates, gdn_advance, gdn_out
 from specjax.models.gdn_rule import normalize_qk
 from specjax.models.gdn_tree import gdn_tree_parallel, path_windows
 from specjax.models.hybrid_config import HybridConfig
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PendingGDN:
-    """One GDN layer's per-node projections of a verify step, all the commit needs to replay the
-    accepted path (model dtype: conv_dim + 2 Hv numbers a node, ~6% of a float32 q/k/v/g/beta record
-    plus the conv inputs)."""
-    conv_in: jax.Array  # [B, N, conv_dim]
-    b: jax.Array  # [B, N, Hv]
-    a: jax.Array
 
 
 def conv_over_windows(windows: jax.Array, weight: jax.Array, dtype) -> jax.Array:
@@ -41,9 +28,8 @@ def conv_over_windows(windows: jax.Array, weight: jax.Array, dtype) -> jax.Array
 
 
 def gdn_tree_layer(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
-                   tree, kernels: str = "xla") -> tuple[jax.Array, PendingGDN]:
-    """h [B, N, D] (normed) over the tree (parents [B, N], ancestors [B, N, N], depth)
-    -> (out [B, N, D], pending record)."""
+                   tree, kernels: str = "xla") -> jax.Array:
+    """h [B, N, D] (normed) over the tree (parents [B, N], ancestors [B, N, N], depth) -> out [B, N, D]."""
     parents, ancestors, depth = tree
     conv_in, z, b, a = gdn_project(p, cfg, h)
     y = conv_over_windows(path_windows(window, conv_in, parents), p.conv_w, conv_in.dtype)
@@ -55,29 +41,23 @@ def gdn_tree_layer(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Arr
     else:
         from pallas_kernels.tree_gdn import tree_gdn
         core = tree_gdn(state, q, k, v, g, beta, ancestors, depth, interpret=kernels == "interpret")
-    return gdn_output(p, cfg, core, z), PendingGDN(conv_in, b, a)
+    return gdn_output(p, cfg, core, z)
 
 
-def commit_states(params, cfg: HybridConfig, cache, pending: list[PendingGDN], path: jax.Array,
-                  num_accepted: jax.Array):
-    """Each GDN layer's state and window after the accepted path[:, :num_accepted + 1]: the path's
-    projections run through `gdn_advance`, the function plain decoding runs, from the committed
-    state and window (so the state is plain decoding's, bit for bit, given the same projections)."""
-    def on_path(x):
-        return jnp.take_along_axis(x, path[..., None], axis=1)
+def gdn_replay(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
+               count: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer over a path of R tokens (h [B, R, D], normed), each row's first count [B] real
+    -> (out [B, R, D], state, window after them). One `gdn_advance` call per token, the call plain
+    decoding makes (a multi-token scan compiles to other last bits on the CPU); past a row's count,
+    g = beta = 0 and the window stays: an exact identity."""
+    conv_in, z, b, a = gdn_project(p, cfg, h)
+    xs = [jnp.moveaxis(x, 1, 0)[:, :, None] for x in (conv_in, b, a)]  # [R, B, 1, ...]
+    live = jnp.arange(h.shape[1])[:, None] < count[None, :]  # [R, B]
 
-    states, windows = [], []
-    gdn_params = [params.layers[i].gdn for i in cfg.gdn_layers]
-    live = jnp.arange(path.shape[1])[:, None] <= num_accepted[None, :]  # [D + 1, B]
-    for p, s, w, r in zip(gdn_params, cache.state, cache.conv, pending):
-        xs = [jnp.moveaxis(on_path(x), 1, 0)[:, :, None] for x in (r.conv_in, r.b, r.a)]  # [D + 1, B, 1, ...]
+    def token(carry, inputs):
+        conv_in, b, a, valid = inputs
+        core, s, w = gdn_advance(p, cfg, *carry, conv_in, b, a, valid.astype(jnp.int32))
+        return (s, w), core[:, 0]
 
-        def token(carry, inputs, p=p):  # one plain decode step per path position
-            conv_in, b, a, valid = inputs
-            _, s, w = gdn_advance(p, cfg, *carry, conv_in, b, a, valid.astype(jnp.int32))
-            return (s, w), None
-
-        (s, w), _ = jax.lax.scan(token, (s, w), (*xs, live))
-        states.append(s)
-        windows.append(w)
-    return states, windows
+    (state, window), cores = jax.lax.scan(token, (state, window), (*xs, live))
+    return gdn_output(p, cfg, jnp.moveaxis(cores, 0, 1), z), state, window

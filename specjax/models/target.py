@@ -4,10 +4,12 @@
 - `target_forward`: T tokens in order (prefill, AR steps); `valid` [B] counts each row's real
   tokens (right-padding past it never reaches a recurrent state).
 - `target_verify`: the N nodes of a tree (a chain is a tree) in one forward; a hybrid target's GDN
-  layers leave their state alone and return a `pending` record.
+  layers do not advance over them, and `pending` is the nodes' tokens.
 - `target_commit`: after acceptance, the accepted path becomes the committed prefix: dense K/V move
-  to contiguous slots (trees only), GDN states and conv windows replay the path
-  (docs/design/hybrid.md).
+  to contiguous slots (trees only); a hybrid target defers the path (its tokens, no state) to the
+  next forward, which replays it into the GDN states first (docs/design/hybrid.md).
+- `with_replay_width` before a decode loop (the cache's shape must not change inside it), and
+  `target_settle` to bring the GDN states up to date with everything committed.
 
 The family is chosen by the config's type at trace time.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.hybrid import HybridCache, hybrid_logits, hybrid_run, init_hybrid_cache
+from specjax.models.hybrid import hybrid_logits, hybrid_run, init_hybrid_cache
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import KVCache, init_cache
 from specjax.models.transformer import forward_with_taps, lm_logits
@@ -84,14 +86,37 @@ def target_commit(params, cfg, cache, pending, path: jax.Array, num_accepted: ja
     """Make path[:, :num_accepted + 1] the committed prefix (path [B, D + 1] node indices, root
     first). A chain's nodes already sit in their slots (`is_chain`: no K/V move)."""
     if is_hybrid(cfg):
-        from specjax.models.hybrid_tree import commit_states
         k, v = (cache.k, cache.v) if is_chain else move_kv(cache.k, cache.v, path, start)
-        state, conv = commit_states(params, cfg, cache, pending, path, num_accepted)
-        return HybridCache(k=k, v=v, state=state, conv=conv)
+        if cache.replay.shape[1] != path.shape[1]:
+            raise ValueError(f"the cache defers paths of {cache.replay.shape[1]} tokens, this step's are "
+                             f"{path.shape[1]}: call with_replay_width(cfg, cache, {path.shape[1]}) first")
+        return cache.replaced(k=k, v=v, replay=jnp.take_along_axis(pending, path, axis=1).astype(jnp.int32),
+                              replay_len=(num_accepted + 1).astype(jnp.int32), replay_start=start.astype(jnp.int32))
     if is_chain:
         return cache
     k, v = move_kv(cache.k, cache.v, path, start)
     return KVCache(k=k, v=v)
+
+
+def target_settle(params, cfg, cache):
+    """The cache with a hybrid target's deferred path replayed into its GDN states (a forward of
+    that path alone); a dense cache, or one with nothing deferred, as it is."""
+    if not is_hybrid(cfg) or cache.replay.shape[1] == 0:
+        return cache
+    B = cache.replay.shape[0]
+    empty = jnp.zeros((B, 0), jnp.int32)
+    start = cache.replay_start + cache.replay_len
+    return hybrid_run(params, cfg, empty, empty, cache, start)[2]
+
+
+def with_replay_width(params, cfg, cache, width: int):
+    """A hybrid cache that defers paths of `width` tokens (static; a decode loop's carry must keep its
+    shape): a pending path of another width is settled first. Dense caches pass through."""
+    if not is_hybrid(cfg) or cache.replay.shape[1] == width:
+        return cache
+    cache = target_settle(params, cfg, cache)
+    B = cache.replay.shape[0]
+    return cache.replaced(replay=jnp.zeros((B, width), jnp.int32), replay_len=jnp.zeros((B,), jnp.int32))
 
 
 def chain_path(batch: int, n: int) -> jax.Array:
@@ -99,4 +124,4 @@ def chain_path(batch: int, n: int) -> jax.Array:
 
 
 __all__ = ["is_hybrid", "init_target_cache", "target_logits", "target_forward", "target_verify",
-           "chain_verify", "target_commit", "chain_path", "move_kv"]
+           "chain_verify", "target_commit", "target_settle", "with_replay_width", "chain_path", "move_kv"]
