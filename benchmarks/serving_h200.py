@@ -108,6 +108,8 @@ def configs(batch: int, budget: int, ladder: bool) -> list[tuple[str, ServingOpt
         d = dataclasses.replace(p, steps_per_call=16)
         out += [("+budget", b, True), ("+packed", p, True), ("+device_loop", d, True)]
     out.append(("all", ServingOptions(budget=budget, packed=True, steps_per_call=16, two_level_k1=2), True))
+    if jax.devices()[0].platform == "gpu":  # the ragged paged attention kernel in place of XLA's gather
+        out.append(("all+paged_kernel", dataclasses.replace(out[-1][1], attention="pallas"), True))
     return out
 
 

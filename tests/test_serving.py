@@ -239,6 +239,29 @@ def test_bad_requests_get_clear_errors():
         ServingEngine(hcfg, init_random_hybrid_params(hcfg, jax.random.PRNGKey(0)))
 
 
+def test_paged_attention_kernel_serves_exactly():
+    """Verify steps through the ragged paged attention kernel (Pallas interpret mode), packed and
+    budgeted with two-level verification: token forcing passes; a poisoned request fails alone;
+    a page size the kernel cannot take is refused up front."""
+    cfg, params = tiny_model(seed=4)
+    rng = np.random.default_rng(9)
+    prompts = random_prompts(rng, 4, 8, 3, 20)
+    reference = Decoder(cfg, params, GenerationConfig(max_new_tokens=12)).generate(prompts)
+    opts = ServingOptions(packed=True, budget=4, steps_per_call=4, two_level_k1=1, attention="interpret")
+    engine = ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=16,
+                           options=opts, forcing=True)
+    assert_forcing(engine, prompts, reference, 12)
+    poison = cfg.vocab_size - 1
+    bad_params = dataclasses.replace(params, embed=params.embed.at[poison].set(jnp.nan))
+    engine = ServingEngine(cfg, bad_params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=16,
+                           options=opts)
+    good, bad = engine.submit(prompts[0], 12), engine.submit([1, 2, poison, 3], 12)
+    results = engine.run()
+    assert results[bad].status == "failed" and results[good].tokens == reference.tokens[0]
+    with pytest.raises(ConfigError, match="page_size a power of two >= 16"):
+        ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=8, options=opts)
+
+
 def test_cancel_and_failing_request_leave_others_exact():
     """A request cancelled mid-generation stops; one whose logits turn non-finite (a poisoned
     embedding row) fails with a message; the others still equal AR."""

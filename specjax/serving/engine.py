@@ -81,6 +81,11 @@ class ServingEngine:
                               f"num_slots={num_slots}, slot_len={slot_len}, page_size={page_size}")
         if forcing and not sampling.greedy:
             raise ConfigError("token forcing compares greedy choices; use temperature 0")
+        if options.attention != "xla" and (page_size < 16 or page_size & (page_size - 1)):
+            raise ConfigError(f"attention={options.attention!r} (the paged attention kernel) needs page_size a "
+                              f"power of two >= 16, got {page_size}")
+        if options.attention == "pallas" and jax.devices()[0].platform != "gpu":
+            raise ConfigError("attention='pallas' needs a GPU; use 'interpret' to run the kernel on a CPU, slowly")
         self.cfg, self.params, self.drafter = cfg, params, drafter
         self.k = 0 if drafter is None else drafter.k
         self.options = options.check(self.k, num_slots)

@@ -3,8 +3,10 @@
 Each token carries a block-table row, a column (its place in that row's token list this step), a
 sequence position and a validity bit. The GEMMs, norms and MLP run on the T packed tokens; only
 attention regroups them: q is unpacked into [R, W] by the rows' token lists, each row's K/V are
-read from its pages as an [R, S] view, and the result is packed back. The layer code is the dense
-forward's own (`transformer.layer_with`), so the numerics are the same ops on the same rows.
+read from its pages as an [R, S] view (or, with `attention="pallas"`, read in place by the ragged
+paged attention kernel, `pallas_kernels/paged_attention.py`), and the result is packed back. The
+layer code is the dense forward's own (`transformer.layer_with`), so the numerics are the same ops
+on the same rows.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def flat_batch(tokens, positions, row, col, valid, num_rows: int, width: int) ->
 
 
 def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,
-                 cache: PagedKVCache, taps: tuple[int, ...] = ()
+                 cache: PagedKVCache, taps: tuple[int, ...] = (), attention: str = "xla"
                  ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
     """-> (final-normed hidden [T, D], tapped residuals [T, len(taps) * D] or None, new cache).
 
@@ -69,6 +71,11 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
         def attend(q, k, v, kp=kp, vp=vp):
             kp = write_tokens(kp, k[0], page, offset)
             vp = write_tokens(vp, v[0], page, offset)
+            if attention != "xla":
+                from pallas_kernels.paged_attention import paged_attention
+                mixed = paged_attention(q[0][batch.unpack], kp, vp, pages, qpos, last + 1,
+                                        interpret=attention == "interpret")
+                return mixed[batch.row, batch.col][None], (kp, vp)
             v_view = jnp.where(live, gather_view(vp, pages), 0)
             mixed = dense_attention(cfg, q[0][batch.unpack], gather_view(kp, pages), v_view,
                                     mask)  # [R, W, q_size]

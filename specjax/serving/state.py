@@ -28,12 +28,16 @@ class ServingOptions:
         accepted (None: one level). Level 2 runs only when some slot passed level 1.
     two_level_tokens: packed level-2 bucket (draft tokens; default: the draft budget). When more
         promoted drafts than this remain, the best by survival score are verified.
+    attention: the verify steps' attention over the paged cache: "xla" (each row's pages gathered
+        into a view), "pallas" (the ragged paged attention kernel, `pallas_kernels/paged_attention.py`;
+        GPU) or "interpret" (that kernel in Pallas interpret mode, for CPU tests).
     """
     budget: int | None = None
     packed: bool = False
     steps_per_call: int = 1
     two_level_k1: int | None = None
     two_level_tokens: int | None = None
+    attention: str = "xla"
 
     def check(self, k: int, num_slots: int) -> "ServingOptions":
         if self.budget is not None and not 1 <= self.budget:
@@ -48,6 +52,8 @@ class ServingOptions:
                               "two_level_k1 and packed")
         if k == 0 and (self.budget is not None or self.two_level_k1 is not None):
             raise ConfigError("budget and two-level verification need a drafter")
+        if self.attention not in ("xla", "pallas", "interpret"):
+            raise ConfigError(f"serving attention must be xla, pallas or interpret, got {self.attention!r}")
         return self
 
     def draft_budget(self, k: int, num_slots: int) -> int:

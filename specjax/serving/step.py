@@ -101,9 +101,9 @@ def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState) -> Serving
     return jax.lax.while_loop(can, functools.partial(admit_one, params, cfg, drafter, gen, forcing), st)
 
 
-def _level(params, cfg, st, taps, table, first_pos, col0, width, counts, packed, bucket):
+def _level(params, cfg, st, taps, table, first_pos, col0, width, counts, packed, bucket, attention="xla"):
     batch = layout(table, first_pos, col0, width, counts, packed, bucket)
-    hidden, features, cache = flat_forward(params, cfg, batch, st.slots.pages, st.cache, taps)
+    hidden, features, cache = flat_forward(params, cfg, batch, st.slots.pages, st.cache, taps, attention)
     logits = target_logits(params, cfg, hidden)[batch.unpack]  # [B, width, V]
     feats = None if features is None else features[batch.unpack]
     return logits, feats, cache
@@ -139,7 +139,7 @@ def verify_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, opts: 
     width1 = k + 1 if k1 is None else k1 + 1
     counts1 = jnp.where(active, jnp.minimum(n_drafts + 1, width1), 0)
     logits, feats, cache = _level(params, cfg, st, taps, table, first_pos, 0, width1, counts1,
-                                  opts.packed, B + min(budget, B * (width1 - 1)))
+                                  opts.packed, B + min(budget, B * (width1 - 1)), opts.attention)
     st = dataclasses.replace(st, cache=cache)
     limit = n_drafts
     if k1 is not None:  # level 2: the rest of the drafts, where all k1 of level 1 passed
@@ -157,7 +157,7 @@ def verify_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, opts: 
 
         def level2(st):
             return _level(params, cfg, st, taps, table, first_pos, k1 + 1, k - k1, counts2, opts.packed,
-                          bucket2)
+                          bucket2, opts.attention)
 
         def skip(st):  # nobody passed level 1: no second weight read
             shapes = jax.eval_shape(level2, st)

@@ -1,0 +1,78 @@
+"""The ragged paged attention kernel (Pallas interpret mode on the CPU) equals its plain-JAX
+reference on fresh random inputs: ragged rows, shuffled block tables, reused pages holding NaN past
+a row's live positions, GQA, float32 and bfloat16; and bad shapes are refused by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import PagedAttentionConfig, paged_attention, paged_attention_reference
+
+
+def ragged_case(seed: int, dtype, R=3, W=5, Hq=4, Hkv=2, hd=16, page_size=16, max_pages=5):
+    rng = np.random.default_rng(seed)
+    num_pages = 1 + R * max_pages + 3
+    k_pool = rng.normal(size=(num_pages, page_size, Hkv, hd)).astype(np.float32)
+    v_pool = rng.normal(size=(num_pages, page_size, Hkv, hd)).astype(np.float32)
+    pages = rng.permutation(np.arange(1, num_pages))[:R * max_pages].reshape(R, max_pages).astype(np.int32)
+    kv_len = rng.integers(1, max_pages * page_size + 1, size=R).astype(np.int32)
+    qpos = np.full((R, W), -1, np.int32)
+    for r in range(R):  # a ragged number of new tokens ending at the row's last live position
+        n = int(rng.integers(1, min(W, kv_len[r]) + 1))
+        qpos[r, :n] = np.arange(kv_len[r] - n, kv_len[r])
+        live_end = kv_len[r]
+        for j in range(max_pages):  # past the row's live positions a reused page holds garbage
+            lo = j * page_size
+            if lo + page_size > live_end:
+                cut = max(live_end - lo, 0)
+                v_pool[pages[r, j], cut:] = np.nan
+                k_pool[pages[r, j], cut:] = 1e4
+    q = rng.normal(size=(R, W, Hq, hd)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k_pool), cast(v_pool), jnp.asarray(pages), jnp.asarray(qpos), jnp.asarray(kv_len)
+
+
+@pytest.mark.parametrize("seed,dtype,pages_per_split", [(0, jnp.float32, 2), (1, jnp.float32, 8),
+                                                        (2, jnp.bfloat16, 3)])
+def test_kernel_equals_reference(seed, dtype, pages_per_split):
+    q, k, v, pages, qpos, kv_len = ragged_case(seed, dtype)
+    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(pages_per_split=pages_per_split),
+                          interpret=True)
+    want = paged_attention_reference(q, k, v, pages, qpos, kv_len)
+    real = np.asarray(qpos >= 0)
+    got, want = np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real]
+    assert np.isfinite(got).all()
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_width():
+    q, k, v, pages, qpos, kv_len = ragged_case(4, jnp.float32)
+    full = paged_attention(q, k, v, pages, qpos, kv_len, interpret=True)
+    alone = paged_attention(q[1:2, :2], k, v, pages[1:2], qpos[1:2, :2], kv_len[1:2], interpret=True)
+    keep = np.asarray(qpos[1, :2] >= 0)
+    np.testing.assert_array_equal(np.asarray(full[1, :2])[keep], np.asarray(alone[0])[keep])
+
+
+def test_a_row_without_live_positions_gives_zeros():
+    """A block-table row with no token this step (kv_len 0) reads nothing and returns zeros, while
+    a NaN from a failed request inside a row's live positions still shows."""
+    q, k, v, pages, qpos, kv_len = ragged_case(6, jnp.float32)
+    kv_len = kv_len.at[0].set(0)
+    qpos = qpos.at[0].set(-1)
+    out = paged_attention(q, k, v, pages, qpos, kv_len, interpret=True)
+    assert np.all(np.asarray(out[0]) == 0)
+    poisoned = v.at[pages[1, 0], 0].set(jnp.nan)  # position 0 of row 1: live, visible to its tokens
+    out = paged_attention(q, k, poisoned, pages, qpos, kv_len, interpret=True)
+    assert np.isnan(np.asarray(out[1])[np.asarray(qpos[1] >= 0)]).all()
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, pages, qpos, kv_len = ragged_case(5, jnp.float32)
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        paged_attention(q, k[:, :12], v[:, :12], pages, qpos, kv_len, interpret=True)
+    with pytest.raises(ValueError, match="block table"):
+        paged_attention(q, k, v, pages[:2], qpos, kv_len, interpret=True)
