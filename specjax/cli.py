@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from specjax.memory.cli import add_memory_parser
     add_memory_parser(sub)
+    from specjax.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,129 @@
+"""A bench config: one deployment's protocol (model, prompt sets, methods, batch sizes, repeats,
+peers), read from YAML with errors that name the file and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from specjax.bench.prompt_sets import PROMPT_SETS
+from specjax.errors import ConfigError
+
+PEERS = ("transformers_ar", "transformers_prompt_lookup")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A decoding method: AR (no drafter) or a drafter spelling as `specjax generate --drafter`
+    takes it, with k drafts a step and optionally a tree of `tree` nodes."""
+    name: str
+    drafter: str | None = None
+    k: int = 0
+    tree: int | None = None
+    weights: str = "bf16"  # "lh12": the 12-bit format (kernels run it; XLA reads it decoded)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    deployment: str
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    sets: tuple[tuple[str, int], ...] = (("humaneval", 4), ("sharegpt", 4), ("mmlu_cot", 4),
+                                        ("gsm8k_cot", 4), ("pydoc", 4))
+    max_new_tokens: int = 32
+    repeats: int = 3
+    batch_sizes: tuple[int, ...] = (1,)
+    methods: tuple[Method, ...] = (Method("ngram-4", "ngram", 4),)
+    peers: tuple[str, ...] = ()
+    tolerance: float = 1e-3  # forcing: a target top-1/top-2 margin below this is a near tie
+    kernels: str = "auto"
+
+
+def _fail(where: str, msg: str):
+    raise ConfigError(f"{where}: {msg}")
+
+
+def _int(where, value, low=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(where, f"expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def load_bench_config(path: str) -> BenchConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: bench config not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        _fail(path, "expected a mapping at the top level")
+    return bench_config_from_dict(raw, path)
+
+
+def bench_config_from_dict(raw: dict, where: str = "bench config") -> BenchConfig:
+    known = {f.name for f in dataclasses.fields(BenchConfig)}
+    for key in raw:
+        if key not in known:
+            _fail(f"{where}: {key}", f"unknown field; known: {', '.join(sorted(known))}")
+    if "deployment" not in raw:
+        _fail(where, "missing field deployment (a name for this config)")
+    kw = dict(deployment=str(raw["deployment"]))
+    for key in ("model", "dtype", "kernels"):
+        if key in raw:
+            kw[key] = str(raw[key])
+    if "sets" in raw:
+        sets = raw["sets"]
+        if not isinstance(sets, dict) or not sets:
+            _fail(f"{where}: sets", "expected a mapping of prompt set name -> prompt count")
+        for name, n in sets.items():
+            if name not in PROMPT_SETS:
+                _fail(f"{where}: sets.{name}", f"unknown prompt set; known: {', '.join(PROMPT_SETS)}")
+            _int(f"{where}: sets.{name}", n)
+        kw["sets"] = tuple(sets.items())
+    for key in ("max_new_tokens", "repeats"):
+        if key in raw:
+            kw[key] = _int(f"{where}: {key}", raw[key])
+    if "batch_sizes" in raw:
+        bs = raw["batch_sizes"]
+        if not isinstance(bs, list) or not bs:
+            _fail(f"{where}: batch_sizes", "expected a list of integers >= 1")
+        kw["batch_sizes"] = tuple(_int(f"{where}: batch_sizes[{i}]", b) for i, b in enumerate(bs))
+    if "tolerance" in raw:
+        if not isinstance(raw["tolerance"], (int, float)) or raw["tolerance"] < 0:
+            _fail(f"{where}: tolerance", f"expected a number >= 0, got {raw['tolerance']!r}")
+        kw["tolerance"] = float(raw["tolerance"])
+    if "methods" in raw:
+        kw["methods"] = tuple(_method(f"{where}: methods[{i}]", m) for i, m in enumerate(raw["methods"] or []))
+    if "peers" in raw:
+        peers = raw["peers"] or []
+        for i, p in enumerate(peers):
+            if p not in PEERS:
+                _fail(f"{where}: peers[{i}]", f"unknown peer {p!r}; known: {', '.join(PEERS)}")
+        kw["peers"] = tuple(peers)
+    return BenchConfig(**kw)
+
+
+def _method(where: str, m) -> Method:
+    if not isinstance(m, dict) or "name" not in m:
+        _fail(where, "expected a mapping with at least a name")
+    extra = set(m) - {f.name for f in dataclasses.fields(Method)}
+    if extra:
+        _fail(where, f"unknown field(s) {', '.join(sorted(extra))}")
+    drafter = m.get("drafter")
+    k = m.get("k", 0 if drafter is None else None)
+    if drafter is not None and k is None:
+        _fail(where, "a method with a drafter needs k (drafts per step)")
+    if drafter is not None:
+        _int(f"{where}.k", k)
+    tree = m.get("tree")
+    if tree is not None:
+        _int(f"{where}.tree", tree)
+        if drafter is None:
+            _fail(f"{where}.tree", "a tree needs a drafter")
+    weights = m.get("weights", "bf16")
+    if weights not in ("bf16", "lh12"):
+        _fail(f"{where}.weights", f"expected bf16 or lh12, got {weights!r}")
+    return Method(str(m["name"]), drafter, int(k or 0), tree, weights)

@@ -1,0 +1,65 @@
+"""The same weights and prompts in transformers (the PyTorch peer): its greedy AR and its
+prompt-lookup decoding, batch 1, exactly max_new_tokens each (torch and transformers are optional
+dependencies, imported here only)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from specjax.errors import ConfigError
+
+PROMPT_LOOKUP_TOKENS = 4
+
+
+class TransformersPeer:
+    def __init__(self, model, **generate_kw):
+        self.model, self.kw = model, generate_kw
+
+    def generate(self, prompt: list[int], max_new: int) -> list[int]:
+        import torch
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                      min_new_tokens=max_new, do_sample=False, **self.kw)
+        return out[0, len(prompt):].tolist()
+
+    def timed(self, prompts: list[list[int]], max_new: int, repeats: int) -> tuple[list[float], list[list[int]]]:
+        """Warm up on the first prompt, then `repeats` passes -> (tokens/s per pass, last pass's tokens)."""
+        self.generate(prompts[0], max_new)
+        rates, tokens = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            tokens = [self.generate(p, max_new) for p in prompts]
+            rates.append(sum(len(x) for x in tokens) / (time.perf_counter() - t))
+        return rates, tokens
+
+
+def load_transformers_model(name_or_path: str):
+    """Our model name or path -> the transformers model of the same weights (GGUF through
+    transformers' own GGUF loader, or an HF directory), float32, eval mode."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"the transformers peer needs torch and transformers ({e}); pip install 'specjax[dev]'") from None
+    from specjax.models.loading import resolve_model_path
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    elif Path(path).is_dir():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        raise ConfigError(f"{path}: the transformers peer reads a GGUF file or an HF directory")
+    # No stop token in the protocol: min_new_tokens would suppress EOS and change the greedy choice
+    # wherever EOS wins; drop EOS instead, as our stop_tokens=() does.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def make_peers(model_name: str, names: tuple[str, ...]) -> dict[str, TransformersPeer]:
+    model = load_transformers_model(model_name)
+    peers = {"transformers_ar": TransformersPeer(model),
+             "transformers_prompt_lookup": TransformersPeer(model, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
+    return {n: peers[n] for n in names}

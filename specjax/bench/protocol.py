@@ -1,0 +1,127 @@
+"""The benchmark protocol (docs/design/bench.md): per prompt set and batch size, greedy AR as the
+reference, then every method warmed up, timed `repeats` times and gated by token forcing. A method
+that fails the gate is reported without a speedup."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+from specjax.bench.config import BenchConfig, Method
+from specjax.bench.prompt_sets import PROMPT_SETS, load_set
+from specjax.decoding.sequences import GenerationConfig
+from specjax.engine import Decoder, GenerationResult, pooled_tau
+from specjax.forcing import check_token_forcing
+
+WEIGHT_GROUPS = ("attn", "mlp", "head")
+
+
+@dataclasses.dataclass
+class Row:
+    """One method on one prompt set at one batch size."""
+    set: str
+    batch: int
+    method: str
+    tokens_per_s: float  # median over repeats
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+    tau: float | None  # tokens per target step, bonus counted (None: not speculative)
+    lossless: bool | None  # the forcing gate (None: not checked: AR itself, or a peer)
+    speedup: float | None  # over AR's median, only where lossless (AR: 1.0)
+    equal_to_ar: int  # prompts whose free-running tokens equal AR's
+    prompts: int
+    generated: int  # tokens per repeat
+    note: str = ""
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def timed_runs(decoder: Decoder, batches: list[list[list[int]]], repeats: int
+               ) -> tuple[list[float], list[GenerationResult]]:
+    """Warm up (compile every batch shape), then `repeats` passes over all batches -> (tokens/s
+    per pass, the last pass's results). Time = prefill + decode of each call."""
+    for batch in batches:
+        decoder.generate(batch)
+    rates, results = [], []
+    for _ in range(repeats):
+        results = [decoder.generate(batch) for batch in batches]
+        seconds = sum(r.prefill_s + r.decode_s for r in results)
+        rates.append(sum(r.num_generated for r in results) / max(seconds, 1e-12))
+    return rates, results
+
+
+def make_decoder(model, method: Method, gen: GenerationConfig, kernels: str) -> Decoder:
+    drafter = tree = None
+    if method.drafter is not None:
+        from specjax.drafters.factory import make_drafter
+        drafter = make_drafter(method.drafter, model, method.k)
+    if method.tree is not None:
+        from specjax.decoding.tree import default_builder
+        from specjax.trees.builders import TreeSpec
+        tree = TreeSpec.budget(default_builder(drafter), method.tree, method.k)
+    fmt = {g: method.weights for g in WEIGHT_GROUPS} if method.weights != "bf16" else None
+    return Decoder(model.cfg, model.params, gen, drafter, weights_format=fmt, kernels=kernels, tree=tree)
+
+
+def _row(set_name, batch, name, rates, results, ar_tokens, ar_rate, lossless, speculative, note=""):
+    tokens = [t for r in results for t in r.tokens]
+    med = statistics.median(rates)
+    return Row(set=set_name, batch=batch, method=name, tokens_per_s=med, tokens_per_s_min=min(rates),
+               tokens_per_s_max=max(rates), tau=pooled_tau(results) if speculative else None,
+               lossless=lossless, speedup=(med / ar_rate if (lossless or lossless is None) and ar_rate else None),
+               equal_to_ar=sum(a == b for a, b in zip(tokens, ar_tokens)), prompts=len(ar_tokens),
+               generated=sum(r.num_generated for r in results), note=note)
+
+
+def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
+            progress: Callable[[str], None] = print, peers: dict | None = None) -> list[Row]:
+    """All methods (and peers, at batch 1) on one prompt set at one batch size."""
+    texts = load_set(set_name, n)
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    batches = chunks(prompts, batch)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)  # no stop tokens: equal work per method
+    ar = make_decoder(model, Method("ar"), gen, cfg.kernels)
+    rates, ar_results = timed_runs(ar, batches, cfg.repeats)
+    ar_tokens = [t for r in ar_results for t in r.tokens]
+    ar_rate = statistics.median(rates)
+    rows = [_row(set_name, batch, "ar", rates, ar_results, ar_tokens, ar_rate, None, False)]
+    progress(f"{set_name} B={batch} ar: {ar_rate:.1f} tok/s")
+    for method in cfg.methods:
+        dec = make_decoder(model, method, gen, cfg.kernels)
+        reports = [check_token_forcing(dec, b, ref, cfg.tolerance) for b, ref in zip(batches, ar_results)]
+        lossless = all(r.passed for r in reports)
+        note = "" if lossless else "FAILED token forcing: " + "; ".join(r.summary() for r in reports if not r.passed)
+        rates, results = timed_runs(dec, batches, cfg.repeats)
+        rows.append(_row(set_name, batch, method.name, rates, results, ar_tokens, ar_rate, lossless,
+                         dec.drafter is not None, note))
+        r = rows[-1]
+        progress(f"{set_name} B={batch} {method.name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 1:.2f}, "
+                 f"{'lossless' if lossless else 'NOT LOSSLESS'}")
+    if batch == 1 and peers:
+        for name, peer in peers.items():
+            rates, tokens = peer.timed(prompts, cfg.max_new_tokens, cfg.repeats)
+            med = statistics.median(rates)
+            rows.append(Row(set=set_name, batch=1, method=name, tokens_per_s=med, tokens_per_s_min=min(rates),
+                            tokens_per_s_max=max(rates), tau=None, lossless=None, speedup=med / ar_rate,
+                            equal_to_ar=sum(a == b for a, b in zip(tokens, ar_tokens)), prompts=len(prompts),
+                            generated=sum(len(t) for t in tokens), note="another implementation: equality counted"))
+            progress(f"{set_name} B=1 {name}: {med:.1f} tok/s, {rows[-1].equal_to_ar}/{len(prompts)} equal to ar")
+    return rows
+
+
+def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    peers = {}
+    if cfg.peers:
+        from specjax.bench.peer import make_peers
+        peers = make_peers(cfg.model, cfg.peers)
+    rows = []
+    for set_name, n in cfg.sets:
+        for batch in cfg.batch_sizes:
+            rows += run_set(model, cfg, set_name, n, batch, progress, peers)
+    return {"config": dataclasses.asdict(cfg),
+            "sets": {name: {k: v for k, v in dataclasses.asdict(PROMPT_SETS[name]).items() if k != "load"}
+                     for name, _ in cfg.sets},
+            "rows": [dataclasses.asdict(r) for r in rows]}

@@ -1,0 +1,115 @@
+"""`specjax bench`: the five prompt sets load from installed packages with their provenance; bad
+configs are refused naming the field; the protocol reports speedups only for runs that pass token
+forcing (a wrong engine is caught and gets none); the report is written and reads back; the CLI
+runs end to end on SmolLM2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from conftest import tiny_model
+from specjax.atomic import read_json_checked
+from specjax.bench import protocol
+from specjax.bench.config import BenchConfig, Method, bench_config_from_dict, load_bench_config
+from specjax.bench.prompt_sets import PROMPT_SETS, load_set
+from specjax.bench.report import markdown, write_report
+from specjax.errors import ConfigError
+from specjax.models.loading import LoadedModel
+
+
+def test_five_prompt_sets_load_with_provenance():
+    assert len(PROMPT_SETS) == 5
+    categories = set()
+    for name, s in PROMPT_SETS.items():
+        prompts = load_set(name, 8)
+        assert len(prompts) == 8 and len(set(prompts)) == 8 and all(p.strip() for p in prompts)
+        assert s.source and s.license and s.category
+        categories.add(s.category)
+    assert len(categories) == 5
+    with pytest.raises(ConfigError, match="gsm8k_cot has 8 prompts, asked for 9"):
+        load_set("gsm8k_cot", 9)
+    with pytest.raises(ConfigError, match="unknown prompt set 'nope'"):
+        load_set("nope", 1)
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"sets": {"humaneval": 2}}, "missing field deployment"),
+    ({"deployment": "x", "sets": {"mbpp": 2}}, r"sets\.mbpp: unknown prompt set"),
+    ({"deployment": "x", "sets": {"humaneval": 0}}, r"sets\.humaneval: expected an integer >= 1"),
+    ({"deployment": "x", "methods": [{"name": "a", "drafter": "ngram"}]}, r"methods\[0\]: a method with a drafter needs k"),
+    ({"deployment": "x", "methods": [{"name": "a", "tree": 4}]}, r"methods\[0\]\.tree: a tree needs a drafter"),
+    ({"deployment": "x", "peers": ["vllm"]}, r"peers\[0\]: unknown peer 'vllm'"),
+    ({"deployment": "x", "batchsize": [1]}, "batchsize: unknown field"),
+])
+def test_bad_configs_name_the_field(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        bench_config_from_dict(raw, "cfg.yaml")
+
+
+def test_shipped_configs_load():
+    for path in ("benchmarks/bench_cpu.yaml", "benchmarks/bench_h200.yaml"):
+        cfg = load_bench_config(path)
+        assert cfg.methods and dict(cfg.sets).keys() == PROMPT_SETS.keys()
+
+
+class _ByteTokenizer:
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab for b in text.encode()[:24]]
+
+
+def test_protocol_gates_speedups_on_token_forcing(monkeypatch):
+    """The same n-gram method twice: as built, lossless with a speedup; with the target perturbed
+    inside the engine, token forcing fails and no speedup is reported."""
+    cfg, params = tiny_model(seed=3)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    make = protocol.make_decoder
+
+    def maybe_wrong(model, method, gen, kernels):
+        dec = make(model, method, gen, kernels)
+        if method.name == "wrong":
+            dec.params = jax.tree.map(lambda x: x * 1.05, dec.params)
+        return dec
+    monkeypatch.setattr(protocol, "make_decoder", maybe_wrong)
+    bench = BenchConfig(deployment="t", sets=(("humaneval", 2),), max_new_tokens=10, repeats=2,
+                        batch_sizes=(1, 2), methods=(Method("right", "ngram", 3), Method("wrong", "ngram", 3)))
+    result = protocol.run_bench(model, bench, progress=lambda s: None)
+    rows = {(r["method"], r["batch"]): r for r in result["rows"]}
+    for batch in (1, 2):
+        assert rows[("ar", batch)]["speedup"] == 1.0
+        right, wrong = rows[("right", batch)], rows[("wrong", batch)]
+        assert right["lossless"] is True and right["speedup"] > 0 and right["tau"] >= 1.0
+        assert right["equal_to_ar"] == 2 and right["generated"] == 20
+        assert wrong["lossless"] is False and wrong["speedup"] is None and "FAILED" in wrong["note"]
+    table = markdown(dict(result, meta={}))
+    assert "| humaneval | 1 | wrong |" in table and "**no**" in table and "failed the forcing gate" in table
+
+
+def test_report_is_written_and_reads_back(tmp_path):
+    row = dict(set="pydoc", batch=1, method="ar", tokens_per_s=10.0, tokens_per_s_min=9.0, tokens_per_s_max=11.0,
+               tau=None, lossless=None, speedup=1.0, equal_to_ar=1, prompts=1, generated=4, note="")
+    spec = dict(row, method="ngram-4", tau=1.5, lossless=True, speedup=1.2)
+    result = {"config": dataclasses.asdict(BenchConfig(deployment="t")), "meta": {"date": "d"},
+              "sets": {"pydoc": {"name": "pydoc", "category": "summarization", "source": "s", "license": "PSF-2.0"}},
+              "rows": [row, spec]}
+    paths = write_report(result, tmp_path)
+    assert read_json_checked(paths["json"])["rows"][1]["speedup"] == 1.2
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "| pydoc | 1 | ngram-4 | 10.0 | 9.0-11.0 | 1.50 | yes | 1.20x | 1/1 |" in paths["md"].read_text()
+
+
+@pytest.mark.slow
+def test_cli_runs_on_smollm2(tmp_path, capsys):
+    from specjax.cli import main
+    assert main(["bench", "--sets", "pydoc,gsm8k_cot", "--prompts", "1", "--max-new-tokens", "4",
+                 "--repeats", "1", "--peers", "none", "--out", str(tmp_path)]) == 0
+    result = read_json_checked(tmp_path / "bench.json")
+    assert {r["set"] for r in result["rows"]} == {"pydoc", "gsm8k_cot"}
+    assert all(r["lossless"] in (True, None) for r in result["rows"])
+    assert "specjax bench: cpu-default" in capsys.readouterr().out
+    assert main(["bench", "--sets", "mbpp"]) == 2
