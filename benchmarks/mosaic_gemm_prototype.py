@@ -9,63 +9,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 TM = 64
 
-def _kernel_call(body_fn, n, k, tp, tk, splits, stages, in_arrays, in_block_shapes, interpret=None):
-    m_tiles = n // TM
-    ks = k // splits
-    def kernel(*refs):
-        *in_gmem, xt_gmem, out_gmem = refs
-        mi = lax.axis_index("m"); si = lax.axis_index("s")
-        def acc_scope(acc_ref):
-            def step(_, *smems):
-                *w_smems, x_smem = smems
-                body_fn(acc_ref, w_smems, x_smem)
-            specs = [plgpu.BlockSpec(shape, lambda kk: (0, kk)) for shape in in_block_shapes]
-            specs.append(plgpu.BlockSpec((tk, tp), lambda kk: (kk, 0)))
-            ins = [g.at[pl.ds(mi * TM, TM), pl.ds(si * (ks * g.shape[1] // k), ks * g.shape[1] // k)] for g in in_gmem]
-            plgpu.emit_pipeline(step, grid=(ks // tk,), in_specs=specs,
-                                max_concurrent_steps=stages)(*ins, xt_gmem.at[pl.ds(si * ks, ks), :])
-            return acc_ref[...]
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((TM, tp)))
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((TM, tp), jnp.float32))
-        def _(o_smem):
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(mi * TM, TM)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
-                     grid=(m_tiles, splits), grid_names=("m", "s"),
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                     interpret=interpret)
-    return f
-
-
-def gemm_bf16(wt, x, *, tk=128, splits=1, stages=4, interpret=None):
-    """wt [N, K] bf16, x [T, K] bf16 -> y [T, N] f32."""
-    n, k = wt.shape; t = x.shape[0]; tp = max(8, -(-t // 8) * 8)
-    xt = jnp.pad(x, ((0, tp - t), (0, 0))).T
-    def body(acc_ref, w_smems, x_smem):
-        plgpu.wgmma(acc_ref, w_smems[0], x_smem)
-        plgpu.wgmma_wait(0)
-    f = _kernel_call(body, n, k, tp, tk, splits, stages, [wt], [(TM, tk)], interpret)
-    return f(wt, xt).sum(0)[:, :t].T
-
-
-def gemm_12(lo, code, base, x, *, tk=128, splits=1, stages=4, interpret=None):
-    """lo [N, K] uint8 (low bytes), code [N, K] int4 (sign<<3 | exp>>1 - base), escape-free."""
-    n, k = lo.shape; t = x.shape[0]; tp = max(8, -(-t // 8) * 8)
-    xt = jnp.pad(x, ((0, tp - t), (0, 0))).T
-    def body(acc_ref, w_smems, x_smem):
-        lo_s, code_s = w_smems
-        c = code_s[...].astype(jnp.int16)
-        l = lo_s[...].astype(jnp.int16)   # uint8 -> zero-extended
-        h = ((c & 7) + base) | ((c & 8) << 4)
-        a = lax.bitcast_convert_type((h << 8) | l, jnp.bfloat16)
-        plgpu.wgmma(acc_ref, a, x_smem)
-        plgpu.wgmma_wait(0)
-    f = _kernel_call(body, n, k, tp, tk, splits, stages, [lo, code], [(TM, tk), (TM, tk)], interpret)
-    return f(lo, code, xt).sum(0)[:, :t].T
-
-
 def encode12(wt):
     """bf16 [N, K] with every exp>>1 in [base, base+7] -> (lo uint8, code int4, base)."""
     u = lax.bitcast_convert_type(wt, jnp.uint16).astype(jnp.int32)
