@@ -54,10 +54,11 @@ def cmd_bench(args) -> int:
             {k: v for k, v in dataclasses.asdict(m).items() if v is not None} for m in cfg.methods]
         raw["batch_sizes"], raw["peers"] = list(cfg.batch_sizes), list(cfg.peers)
         cfg = bench_config_from_dict({**raw, **overrides}, "command line")
+    commit = _commit()  # the code that runs: read before the run, which can outlast a commit
     model = load_model(cfg.model, cfg.dtype)
     result = run_bench(model, cfg, progress=lambda s: print(s, flush=True))
     result["meta"] = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-                      "jax": jax.__version__, "commit": _commit()}
+                      "jax": jax.__version__, "commit": commit}
     paths = write_report(result, args.out)
     print("\n" + markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
