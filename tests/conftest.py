@@ -44,6 +44,18 @@ def draw_model_config(draw) -> ModelConfig:
         attention_bias=draw(st.booleans()), max_position_embeddings=256)
 
 
+def shared_cpu_device_model():
+    """This CPU's calibration for evaluator tests, with its peaks raised 4x: the tests run two at a
+    time on two cores (pytest-xdist), so a calibration taken while the other worker is busy can
+    read half the rates a later measurement sees alone, and the physical-floor gate would refuse a
+    sound run. A run 4x faster than the calibrated peak is still refused."""
+    import dataclasses
+
+    from specjax.costmodel.hardware import calibrate
+    dev = calibrate(small=True)
+    return dataclasses.replace(dev, peak_bandwidth=4 * dev.peak_bandwidth, peak_flops=4 * dev.peak_flops)
+
+
 def tiny_model(seed: int = 0, scale: float = 0.5, **overrides):
     cfg = tiny_config(**overrides)
     return cfg, init_random_params(cfg, jax.random.PRNGKey(seed), scale=scale)

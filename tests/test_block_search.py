@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_model
-from specjax.costmodel.hardware import calibrate
+from conftest import shared_cpu_device_model, tiny_model
 from specjax.decoding.sequences import GenerationConfig
 from specjax.drafters import trained
 from specjax.drafters.block import init_block_drafter
@@ -98,7 +97,7 @@ def evaluator():
     cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=64, max_position_embeddings=512)
     target = LoadedModel("random", cfg, init_random_params(cfg, jax.random.PRNGKey(0), scale=0.05), None)
-    return Evaluator(target, [[1, 2, 3, 4, 1, 2], [7, 8, 9, 7]], 20, calibrate(small=True), "cpu")
+    return Evaluator(target, [[1, 2, 3, 4, 1, 2], [7, 8, 9, 7]], 20, shared_cpu_device_model(), "cpu")
 
 
 def test_evaluator_measures_and_gates_block_and_replay(evaluator, tmp_path, monkeypatch):

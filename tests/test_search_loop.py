@@ -14,8 +14,7 @@ import jax
 import pytest
 
 import specjax.decoding.chain as chain_module
-from conftest import save_tiny_checkpoint
-from specjax.costmodel.hardware import calibrate
+from conftest import save_tiny_checkpoint, shared_cpu_device_model
 from specjax.memory.store import MemoryStore
 from specjax.models.config import ModelConfig
 from specjax.models.loading import LoadedModel
@@ -82,7 +81,7 @@ def hack_setup():
                       num_kv_heads=2, head_dim=64, max_position_embeddings=512)
     target = LoadedModel("random", cfg, init_random_params(cfg, jax.random.PRNGKey(0), scale=0.05), None)
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4], [7, 8, 9, 7, 8, 9]]
-    return target, prompts, calibrate(small=True)
+    return target, prompts, shared_cpu_device_model()
 
 
 CONFIG = {"drafter.kind": "ngram", "drafter.k": 3, "drafter.ngram_max_n": 2}
