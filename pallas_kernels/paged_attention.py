@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention import MASKED, ROWS, combine_splits
+from pallas_kernels.decode_attention import MASKED, ROWS, _compiler_params, combine_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +81,6 @@ def _kernel(q_ref, k_ref, v_ref, pages_ref, qpos_ref, kv_len_ref, o_ref, m_ref, 
     o_ref[r, h, sp, rows, :] = o
     m_ref[r, h, sp, rows] = m
     l_ref[r, h, sp, rows] = l
-
-
-def _compiler_params(cfg: PagedAttentionConfig, interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu  # GPU only
-    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def check_shapes(q, k_pool, v_pool, pages, qpos, kv_len) -> None:
