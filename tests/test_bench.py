@@ -14,8 +14,9 @@ from conftest import tiny_model
 from specjax.atomic import read_json_checked
 from specjax.bench import protocol
 from specjax.bench.config import BenchConfig, Method, bench_config_from_dict, load_bench_config
-from specjax.bench.prompt_sets import PROMPT_SETS, load_set
+from specjax.bench.prompt_sets import PROMPT_SETS, export_prompt_sets, load_set, read_prompt_file
 from specjax.bench.report import markdown, write_report
+from specjax.atomic import CorruptFileError
 from specjax.errors import ConfigError
 from specjax.models.loading import LoadedModel
 
@@ -43,6 +44,9 @@ def test_five_prompt_sets_load_with_provenance():
     ({"deployment": "x", "methods": [{"name": "a", "tree": 4}]}, r"methods\[0\]\.tree: a tree needs a drafter"),
     ({"deployment": "x", "peers": ["vllm"]}, r"peers\[0\]: unknown peer 'vllm'"),
     ({"deployment": "x", "batchsize": [1]}, "batchsize: unknown field"),
+    ({"deployment": "x", "kernels": "cuda"}, "kernels: expected one of auto, xla, pallas, interpret"),
+    ({"deployment": "x", "methods": [{"name": "a", "kernels": "tpu"}]}, r"methods\[0\]\.kernels: expected one of"),
+    ({"deployment": "x", "batch1_prompts": 0}, r"batch1_prompts: expected an integer >= 1"),
 ])
 def test_bad_configs_name_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -113,3 +117,47 @@ def test_cli_runs_on_smollm2(tmp_path, capsys):
     assert all(r["lossless"] in (True, None) for r in result["rows"])
     assert "specjax bench: cpu-default" in capsys.readouterr().out
     assert main(["bench", "--sets", "mbpp"]) == 2
+
+
+def test_prompt_file_carries_the_sets_and_refuses_damage(tmp_path):
+    """A machine without the data packages runs from an exported prompt file: the same texts, and
+    a damaged or foreign file is refused naming it."""
+    path = tmp_path / "prompts.json"
+    export_prompt_sets((("humaneval", 3), ("pydoc", 2)), path)
+    exported = read_prompt_file(path)
+    assert load_set("humaneval", 3, exported) == load_set("humaneval", 3)
+    assert load_set("pydoc", 1, exported) == load_set("pydoc", 1)
+    with pytest.raises(ConfigError, match=r"pydoc \(prompt file\) has 2 prompts, asked for 3"):
+        load_set("pydoc", 3, exported)
+    with pytest.raises(ConfigError, match="the prompt file has no set 'sharegpt'"):
+        load_set("sharegpt", 1, exported)
+    path.write_text(path.read_text().replace("def ", "deff ", 1))
+    with pytest.raises(CorruptFileError, match="prompts.json: checksum mismatch"):
+        read_prompt_file(path)
+    with pytest.raises(ConfigError, match="nope.json: prompt file not found"):
+        read_prompt_file(tmp_path / "nope.json")
+
+
+def test_deadline_skips_units_and_parts_merge():
+    """A deadline already passed runs nothing and lists every unit as skipped; results of one
+    config run in parts merge, and parts of different configs are refused."""
+    cfg, params = tiny_model(seed=3)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    bench = BenchConfig(deployment="t", sets=(("humaneval", 2), ("pydoc", 2)), max_new_tokens=6, repeats=1,
+                        batch_sizes=(1, 2), methods=(Method("ngram", "ngram", 3), Method("ar-again")),
+                        batch1_prompts=1)
+    skipped = protocol.run_bench(model, bench, progress=lambda s: None, deadline=0.0)
+    assert skipped["rows"] == [] and skipped["skipped"] == ["humaneval B=1", "humaneval B=2", "pydoc B=1", "pydoc B=2"]
+    seen = []
+    part = protocol.run_bench(model, dataclasses.replace(bench, sets=(("humaneval", 2),)), progress=lambda s: None,
+                              partial=lambda r: seen.append(len(r["rows"])))
+    assert seen == [3, 6]  # written after each (set, batch) unit
+    rows = {(r["method"], r["batch"]): r for r in part["rows"]}
+    assert rows[("ar", 1)]["prompts"] == 1 and rows[("ar", 2)]["prompts"] == 2  # batch1_prompts
+    again = rows[("ar-again", 2)]  # an AR variant: timed, tokens compared, nothing to force
+    assert again["lossless"] is None and again["equal_to_ar"] == 2 and again["speedup"] > 0
+    merged = protocol.merge_results([part, skipped])
+    assert len(merged["rows"]) == 6 and merged["skipped"] == skipped["skipped"]
+    other = dict(part, config=dict(part["config"], max_new_tokens=7))
+    with pytest.raises(ValueError, match="fields max_new_tokens"):
+        protocol.merge_results([part, other])

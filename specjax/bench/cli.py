@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import subprocess
+import time
 from pathlib import Path
+
+from specjax.errors import ConfigError
 
 
 def add_bench_parser(sub) -> None:
@@ -17,10 +21,20 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-new-tokens", type=int)
     b.add_argument("--repeats", type=int)
     b.add_argument("--peers", help="comma-separated: transformers_ar, transformers_prompt_lookup ('none': off)")
+    b.add_argument("--export-prompts", metavar="FILE",
+                   help="write the config's prompt sets to FILE (checksummed JSON) and stop: for a machine "
+                        "without the data packages")
+    b.add_argument("--prompts-from", metavar="FILE", help="read the prompt sets from a file --export-prompts wrote")
+    b.add_argument("--deadline-s", type=float,
+                   help="start no (set, batch) unit after this many seconds; the report lists those skipped")
+    b.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
+                   help="merge bench.json files of one config run in parts (by sets) into --out, and stop")
     b.set_defaults(func=cmd_bench)
 
 
 def _commit() -> str:
+    if os.environ.get("SPECJAX_COMMIT"):  # a copy of the tree without .git (the lent GPU) is told
+        return os.environ["SPECJAX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip() or "unknown"
@@ -32,9 +46,20 @@ def cmd_bench(args) -> int:
     import jax
 
     from specjax.bench.config import BenchConfig, bench_config_from_dict, load_bench_config
-    from specjax.bench.protocol import run_bench
+    from specjax.bench.prompt_sets import export_prompt_sets, read_prompt_file
+    from specjax.bench.protocol import merge_results, run_bench
     from specjax.bench.report import markdown, write_report
     from specjax.models.loading import load_model
+
+    if args.merge:
+        from specjax.atomic import read_json_checked
+        try:
+            result = merge_results([read_json_checked(p) for p in args.merge])
+        except ValueError as e:
+            raise ConfigError(f"--merge {' '.join(args.merge)}: {e}") from None
+        paths = write_report(result, args.out)
+        print(markdown(result) + "wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
 
     cfg = load_bench_config(args.config) if args.config else BenchConfig(deployment="cpu-default")
     overrides = {}
@@ -54,11 +79,19 @@ def cmd_bench(args) -> int:
             {k: v for k, v in dataclasses.asdict(m).items() if v is not None} for m in cfg.methods]
         raw["batch_sizes"], raw["peers"] = list(cfg.batch_sizes), list(cfg.peers)
         cfg = bench_config_from_dict({**raw, **overrides}, "command line")
+    if args.export_prompts:
+        export_prompt_sets(cfg.sets, args.export_prompts)
+        print(f"wrote {args.export_prompts}: " + ", ".join(f"{n} ({k} prompts)" for n, k in cfg.sets))
+        return 0
+    exported = read_prompt_file(args.prompts_from) if args.prompts_from else None
     commit = _commit()  # the code that runs: read before the run, which can outlast a commit
+    meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__, "commit": commit}
     model = load_model(cfg.model, cfg.dtype)
-    result = run_bench(model, cfg, progress=lambda s: print(s, flush=True))
-    result["meta"] = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
-                      "jax": jax.__version__, "commit": commit}
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    result = run_bench(model, cfg, progress=lambda s: print(s, flush=True), exported=exported,
+                       deadline=deadline, partial=lambda r: write_report(dict(r, meta=meta), args.out))
+    result["meta"] = meta
     paths = write_report(result, args.out)
     print("\n" + markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -12,17 +12,20 @@ from specjax.bench.prompt_sets import PROMPT_SETS
 from specjax.errors import ConfigError
 
 PEERS = ("transformers_ar", "transformers_prompt_lookup")
+KERNELS = ("auto", "xla", "pallas", "interpret")  # as Decoder takes them
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A decoding method: AR (no drafter) or a drafter spelling as `specjax generate --drafter`
-    takes it, with k drafts a step and optionally a tree of `tree` nodes."""
+    """A decoding method: a drafter spelling as `specjax generate --drafter` takes it, with k
+    drafts a step and optionally a tree of `tree` nodes; or, with no drafter, an AR variant (other
+    kernels or 12-bit weights) timed beside the reference AR and compared by its tokens."""
     name: str
     drafter: str | None = None
     k: int = 0
     tree: int | None = None
     weights: str = "bf16"  # "lh12": the 12-bit format (kernels run it; XLA reads it decoded)
+    kernels: str | None = None  # None: the config's; "pallas": our GEMM kernels (12-bit needs them to pay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,8 @@ class BenchConfig:
     peers: tuple[str, ...] = ()
     tolerance: float = 1e-3  # forcing: a target top-1/top-2 margin below this is a near tie
     kernels: str = "auto"
+    batch1_prompts: int | None = None  # batch 1 uses the first N of each set (None: all of them)
+    peer_repeats: int | None = None  # repeats of the transformers peers (None: repeats)
 
 
 def _fail(where: str, msg: str):
@@ -74,6 +79,8 @@ def bench_config_from_dict(raw: dict, where: str = "bench config") -> BenchConfi
     for key in ("model", "dtype", "kernels"):
         if key in raw:
             kw[key] = str(raw[key])
+    if kw.get("kernels", "auto") not in KERNELS:
+        _fail(f"{where}: kernels", f"expected one of {', '.join(KERNELS)}, got {kw['kernels']!r}")
     if "sets" in raw:
         sets = raw["sets"]
         if not isinstance(sets, dict) or not sets:
@@ -85,6 +92,9 @@ def bench_config_from_dict(raw: dict, where: str = "bench config") -> BenchConfi
         kw["sets"] = tuple(sets.items())
     for key in ("max_new_tokens", "repeats"):
         if key in raw:
+            kw[key] = _int(f"{where}: {key}", raw[key])
+    for key in ("batch1_prompts", "peer_repeats"):
+        if raw.get(key) is not None:
             kw[key] = _int(f"{where}: {key}", raw[key])
     if "batch_sizes" in raw:
         bs = raw["batch_sizes"]
@@ -126,4 +136,7 @@ def _method(where: str, m) -> Method:
     weights = m.get("weights", "bf16")
     if weights not in ("bf16", "lh12"):
         _fail(f"{where}.weights", f"expected bf16 or lh12, got {weights!r}")
-    return Method(str(m["name"]), drafter, int(k or 0), tree, weights)
+    kernels = m.get("kernels")
+    if kernels not in (None, *KERNELS):
+        _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
+    return Method(str(m["name"]), drafter, int(k or 0), tree, weights, kernels)

@@ -1,6 +1,6 @@
 """The same weights and prompts in transformers (the PyTorch peer): its greedy AR and its
-prompt-lookup decoding, batch 1, exactly max_new_tokens each (torch and transformers are optional
-dependencies, imported here only)."""
+prompt-lookup decoding, batch 1, exactly max_new_tokens each, in the bench's dtype and on the GPU
+where torch sees one (torch and transformers are optional dependencies, imported here only)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class TransformersPeer:
 
     def generate(self, prompt: list[int], max_new: int) -> list[int]:
         import torch
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.model.device)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                       min_new_tokens=max_new, do_sample=False, **self.kw)
@@ -35,9 +35,10 @@ class TransformersPeer:
         return rates, tokens
 
 
-def load_transformers_model(name_or_path: str):
+def load_transformers_model(name_or_path: str, dtype: str = "float32"):
     """Our model name or path -> the transformers model of the same weights (GGUF through
-    transformers' own GGUF loader, or an HF directory), float32, eval mode."""
+    transformers' own GGUF loader, or an HF directory) in `dtype`, on the GPU if torch has one,
+    eval mode."""
     try:
         import torch
         import transformers
@@ -45,21 +46,24 @@ def load_transformers_model(name_or_path: str):
         raise ConfigError(f"the transformers peer needs torch and transformers ({e}); pip install 'specjax[dev]'") from None
     from specjax.models.loading import resolve_model_path
     path = resolve_model_path(name_or_path)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise ConfigError(f"the transformers peer runs float32, bfloat16 or float16, not {dtype!r}")
     if path.suffix == ".gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
+                                                                  dtype=torch_dtype)
     elif Path(path).is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     else:
         raise ConfigError(f"{path}: the transformers peer reads a GGUF file or an HF directory")
     # No stop token in the protocol: min_new_tokens would suppress EOS and change the greedy choice
     # wherever EOS wins; drop EOS instead, as our stop_tokens=() does.
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
 
-def make_peers(model_name: str, names: tuple[str, ...]) -> dict[str, TransformersPeer]:
-    model = load_transformers_model(model_name)
+def make_peers(model_name: str, names: tuple[str, ...], dtype: str = "float32") -> dict[str, TransformersPeer]:
+    model = load_transformers_model(model_name, dtype)
     peers = {"transformers_ar": TransformersPeer(model),
              "transformers_prompt_lookup": TransformersPeer(model, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
     return {n: peers[n] for n in names}

@@ -96,7 +96,41 @@ PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in [
 ]}
 
 
-def load_set(name: str, n: int) -> list[str]:
+def load_set(name: str, n: int, exported: dict[str, list[str]] | None = None) -> list[str]:
+    """The first n prompts of a set, read from its package, or from `exported` (a prompt file's
+    sets) where given."""
     if name not in PROMPT_SETS:
         raise ConfigError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
-    return PROMPT_SETS[name].load(n)
+    if exported is None:
+        return PROMPT_SETS[name].load(n)
+    if name not in exported:
+        raise ConfigError(f"the prompt file has no set {name!r} (it has {', '.join(exported) or 'none'})")
+    return _first(exported[name], n, f"{name} (prompt file)")
+
+
+# A machine without the data packages (the lent GPU: nothing can be installed there from the
+# network) runs the bench from a prompt file written where they are installed: the same texts,
+# checksummed (specjax.atomic), with each set's provenance kept in the report as usual.
+PROMPT_FILE_FORMAT = "specjax-prompts/1"
+
+
+def export_prompt_sets(sets: tuple[tuple[str, int], ...], path) -> None:
+    from specjax.atomic import write_json_atomic
+    write_json_atomic(path, {"format": PROMPT_FILE_FORMAT,
+                             "sets": {name: load_set(name, n) for name, n in sets}})
+
+
+def read_prompt_file(path) -> dict[str, list[str]]:
+    from specjax.atomic import read_json_checked
+    try:
+        payload = read_json_checked(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: prompt file not found") from None
+    if payload.get("format") != PROMPT_FILE_FORMAT or not isinstance(payload.get("sets"), dict):
+        raise ConfigError(f"{path}: not a specjax prompt file (format {payload.get('format')!r})")
+    for name, texts in payload["sets"].items():
+        if name not in PROMPT_SETS:
+            raise ConfigError(f"{path}: sets.{name}: unknown prompt set")
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ConfigError(f"{path}: sets.{name}: expected a list of strings")
+    return payload["sets"]

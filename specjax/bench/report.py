@@ -28,6 +28,10 @@ def markdown(result: dict) -> str:
     lines += ["", "Prompt sets:", ""]
     for name, s in result["sets"].items():
         lines.append(f"- {name} ({s['category']}): {s['source']}; license: {s['license']}")
+    if cfg.get("batch1_prompts"):
+        lines += ["", f"Batch 1 runs the first {cfg['batch1_prompts']} prompts of each set; larger batches all of them."]
+    if result.get("skipped"):
+        lines += ["", "Not run (the run's deadline came first): " + ", ".join(result["skipped"])]
     failed = [r for r in result["rows"] if r["lossless"] is False]
     if failed:
         lines += ["", "Runs that failed the forcing gate (no speedup reported):", ""]
@@ -41,6 +45,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if not result["rows"]:
+        return
     rows = [r for r in result["rows"] if r["batch"] == min(x["batch"] for x in result["rows"])]
     sets = list(dict.fromkeys(r["set"] for r in rows))
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "ar"]
