@@ -35,35 +35,34 @@ class TransformersPeer:
         return rates, tokens
 
 
-def load_transformers_model(name_or_path: str, dtype: str = "float32"):
-    """Our model name or path -> the transformers model of the same weights (GGUF through
-    transformers' own GGUF loader, or an HF directory) in `dtype`, on the GPU if torch has one,
-    eval mode."""
+def load_transformers_model(model, dtype: str = "float32"):
+    """Our loaded model -> the transformers model of the same weight values in `dtype`, on the
+    GPU if torch has one, eval mode. The weights go through an exported transformers directory
+    (models/hf_export.py): transformers' own GGUF loader would keep them quantized and compute
+    through the quantized form, a different model from the dense one we run."""
     try:
         import torch
         import transformers
     except ImportError as e:
         raise ConfigError(f"the transformers peer needs torch and transformers ({e}); pip install 'specjax[dev]'") from None
-    from specjax.models.loading import resolve_model_path
-    path = resolve_model_path(name_or_path)
+    import tempfile
+
+    from specjax.models.hf_export import export_hf_directory
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise ConfigError(f"the transformers peer runs float32, bfloat16 or float16, not {dtype!r}")
-    if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch_dtype)
-    elif Path(path).is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-    else:
-        raise ConfigError(f"{path}: the transformers peer reads a GGUF file or an HF directory")
+    with tempfile.TemporaryDirectory(prefix="specjax-peer-") as tmp:
+        path = export_hf_directory(model.cfg, model.params, Path(tmp) / "hf")
+        peer = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     # No stop token in the protocol: min_new_tokens would suppress EOS and change the greedy choice
     # wherever EOS wins; drop EOS instead, as our stop_tokens=() does.
-    model.generation_config.eos_token_id = None
-    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    peer.generation_config.eos_token_id = None
+    return peer.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
 
-def make_peers(model_name: str, names: tuple[str, ...], dtype: str = "float32") -> dict[str, TransformersPeer]:
-    model = load_transformers_model(model_name, dtype)
-    peers = {"transformers_ar": TransformersPeer(model),
-             "transformers_prompt_lookup": TransformersPeer(model, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
+def make_peers(model, names: tuple[str, ...], dtype: str = "float32") -> dict[str, TransformersPeer]:
+    """model: our LoadedModel (its weights, exported)."""
+    peer = load_transformers_model(model, dtype)
+    peers = {"transformers_ar": TransformersPeer(peer),
+             "transformers_prompt_lookup": TransformersPeer(peer, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
     return {n: peers[n] for n in names}

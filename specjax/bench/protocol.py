@@ -108,7 +108,7 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
                          dec.drafter is not None, note))
         r = rows[-1]
         progress(f"{set_name} B={batch} {method.name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 1:.2f}, "
-                 f"{'lossless' if lossless else 'NOT LOSSLESS'}")
+                 f"{ {True: 'lossless', False: 'NOT LOSSLESS', None: 'AR variant'}[lossless]}")
     if batch == 1 and peers:
         for name, peer in peers.items():
             rates, tokens = peer.timed(prompts, cfg.max_new_tokens, cfg.peer_repeats or cfg.repeats)
@@ -130,7 +130,7 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
     peers = {}
     if cfg.peers:
         from specjax.bench.peer import make_peers
-        peers = make_peers(cfg.model, cfg.peers, cfg.dtype)
+        peers = make_peers(model, cfg.peers, cfg.dtype)
     result = {"config": dataclasses.asdict(cfg),
               "sets": {name: {k: v for k, v in dataclasses.asdict(PROMPT_SETS[name]).items() if k != "load"}
                        for name, _ in cfg.sets},
