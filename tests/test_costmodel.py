@@ -179,3 +179,20 @@ def test_host_round_trip_is_spread_over_steps_per_call():
             for s in (0, 1, 16)]
     assert host[1] - host[0] == pytest.approx(DEV.host_sync)
     assert host[2] - host[0] == pytest.approx(DEV.host_sync / 16)
+
+
+def test_gathered_paged_attention_reads_the_cache_three_times():
+    # a memory-bound verify (B = 2, k = 1): the kernel reads every slot's KV once, XLA's gather three
+    # times; the floor is the single read either way, so the gather shows up as a verify gap
+    dims = dataclasses.replace(batched(2), num_slots=4096, kv_bytes_per_slot=256.0)
+    args = (dims, DEV, [1], [1], [0], alpha(0.5))
+    kernel = predict(*args, **serving(1, steps=1), kv_passes=np.ones(1))
+    gather = predict(*args, **serving(1, steps=1), kv_passes=np.full(1, 3.0))
+    kv_read = 2 * 4096 * dims.kv_bytes_per_slot * dims.num_layers / DEV.bandwidth
+    assert kv_read > 0 and gather["component_time"][0, 0] - kernel["component_time"][0, 0] == pytest.approx(2 * kv_read)
+    assert gather["component_floor"][0, 0] == kernel["component_floor"][0, 0]
+    from specjax.search.registry import REGISTRY
+    on = {"drafter.kind": "ngram", "drafter.k": 3, "serving.steps_per_call": 4}
+    assert REGISTRY.features(on)["serving_kv_passes"] == 3.0
+    assert REGISTRY.features(dict(on, **{"serving.attention": "kernel"}))["serving_kv_passes"] == 1.0
+    assert REGISTRY.apply(dict(on, **{"serving.attention": "kernel"}))["serving"].attention == "xla"  # CPU

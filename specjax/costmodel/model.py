@@ -126,8 +126,10 @@ def _saved_bytes(dims: ModelDims, wp: WeightPlan, layers, peak: bool):
     return layers * (dims.attn_bytes * saved[0] + dims.mlp_bytes * saved[1]) + dims.head_matrix_bytes * saved[2]
 
 
-def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool, wp: WeightPlan):
-    kv = dims.batch * dims.num_slots * dims.kv_bytes_per_slot  # every request's cache, read once
+def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool, wp: WeightPlan,
+                  kv_passes=1.0):
+    # every request's cache, read once (kv_passes > 1: a paged cache gathered into a view first)
+    kv = dims.batch * dims.num_slots * dims.kv_bytes_per_slot * kv_passes
     bytes_ = layers * (dims.layer_bytes + kv) + dims.head_bytes
     flops = tokens * (layers * (dims.layer_flops + dims.num_slots * dims.attn_flops_per_slot) + dims.head_flops)
     bw = dev.peak_bandwidth if peak else dev.bandwidth
@@ -154,7 +156,7 @@ def _block_draft_time(dims: ModelDims, dev: DeviceModel, layers, k, peak: bool, 
             _forward_time(no_head, dev, layers, tokens, peak, wp))
 
 
-def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp):
+def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp, kv_passes=1.0):
     """Batched verification (serving mechanisms) -> (verify time, drafts each slot verifies).
     B requests per step: padded, every slot takes `width` tokens; a budget spreads `budget` drafts
     over the batch (equal acceptance: budget / B each); packed, only verified tokens are computed;
@@ -163,25 +165,27 @@ def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp
     B = dims.batch
     d = jnp.where(budget > 0, jnp.minimum(depth, budget / B), depth)
     one = jnp.where(packed > 0, B * (1.0 + d), B * width)
-    single = _forward_time(dims, dev, dims.num_layers, one, peak, wp)
+    single = _forward_time(dims, dev, dims.num_layers, one, peak, wp, kv_passes)
     k1 = jnp.minimum(k1, jnp.maximum(depth - 1, 0))
     t1 = jnp.where(packed > 0, B * (1.0 + jnp.minimum(k1, d)), B * (k1 + 1.0))
     t2 = jnp.where(packed > 0, B * jnp.maximum(d - k1, 0.0), B * (width - 1.0 - k1))
     idx = jnp.arange(KMAX)
     p_pass = jnp.prod(jnp.where(idx < k1, alpha, 1.0))
     p_any = 1.0 - (1.0 - p_pass) ** B
-    two = (_forward_time(dims, dev, dims.num_layers, t1, peak, wp) +
-           p_any * _forward_time(dims, dev, dims.num_layers, t2, peak, wp))
+    two = (_forward_time(dims, dev, dims.num_layers, t1, peak, wp, kv_passes) +
+           p_any * _forward_time(dims, dev, dims.num_layers, t2, peak, wp, kv_passes))
     return jnp.where(k1 > 0, two, single), d
 
 
 def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, tree_nodes,
-         budget, packed, steps_per_call, two_level_k1):
+         budget, packed, steps_per_call, two_level_k1, kv_passes):
     """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
     3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
     bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag; the serving mechanisms: budget
     (draft tokens per step, 0: none), packed 0/1, steps_per_call (0: the batch engine, whole
-    decode on the device; n: the serving engine, a host sync every n steps), two_level_k1).
+    decode on the device; n: the serving engine, a host sync every n steps), two_level_k1,
+    kv_passes (passes over the KV cache: 3 for a paged cache XLA gathers, 1 for the kernel or a
+    contiguous cache).
     Times are per step of the whole batch (dims.batch requests)."""
     wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
     speculative = kind > 0
@@ -190,7 +194,9 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     # at most min(k, N) deep
     width = jnp.where(tree_nodes > 0, tree_nodes, k) + 1
     depth = jnp.where(tree_nodes > 0, jnp.minimum(k, tree_nodes), k)
-    verify, d = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, False, wp)
+    verify, d = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, False, wp,
+                                kv_passes)
+    # the floor reads the cache once whatever the attention does: a gather is a gap, not a floor
     verify_floor, _ = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, True, wp)
     B = dims.batch
     # layer-skip: one width-2 catch-up forward (k + 1 wide under trees: an accepted path may leave
@@ -222,7 +228,7 @@ _COMPILED: dict = {}
 
 def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
             tuned=None, tree_nodes=None, budget=None, packed=None, steps_per_call=None,
-            two_level_k1=None) -> dict:
+            two_level_k1=None, kv_passes=None) -> dict:
     """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
     bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); tree_nodes
     [C] (default 0: chains)
@@ -235,6 +241,7 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     tuned = np.zeros(c) if tuned is None else tuned
     tree_nodes = np.zeros(c) if tree_nodes is None else tree_nodes
     serving = [np.zeros(c) if x is None else x for x in (budget, packed, steps_per_call, two_level_k1)]
+    serving.append(np.ones(c) if kv_passes is None else kv_passes)
     if (dims, dev) not in _COMPILED:
         _COMPILED[dims, dev] = jax.jit(jax.vmap(lambda *a: _one(dims, dev, *a)))
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),

@@ -293,15 +293,29 @@ def _serving_options(config: dict):
         return None
     from specjax.serving.state import ServingOptions
     return ServingOptions(budget=budget or None, packed=packed, steps_per_call=max(steps, 1),
-                          two_level_k1=k1 or None)
+                          two_level_k1=k1 or None, attention=_serving_attention(config))
+
+
+def _serving_attention(config: dict) -> str:
+    """"kernel": the Pallas ragged paged attention kernel on a GPU; elsewhere XLA's (the same
+    numbers: the kernel's interpret mode is for tests), as 12-bit weights are read by XLA there."""
+    if config.get("serving.attention", "xla") != "kernel":
+        return "xla"
+    import jax
+    return "pallas" if jax.devices()[0].platform == "gpu" else "xla"
 
 
 def _serving_features(config: dict) -> dict[str, float]:
     opts = _serving_options(config)
     if opts is None:
-        return {"serving_budget": 0.0, "serving_packed": 0.0, "serving_steps": 0.0, "serving_k1": 0.0}
+        return {"serving_budget": 0.0, "serving_packed": 0.0, "serving_steps": 0.0, "serving_k1": 0.0,
+                "serving_kv_passes": 1.0}
+    # XLA's paged attention gathers every slot's pages into a contiguous view each layer (read the
+    # pages, write the view, read it again): 3 passes over the KV bytes; the kernel reads pages once
+    kv_passes = 1.0 if config.get("serving.attention", "xla") == "kernel" else 3.0
     return {"serving_budget": float(opts.budget or 0), "serving_packed": float(opts.packed),
-            "serving_steps": float(opts.steps_per_call), "serving_k1": float(opts.two_level_k1 or 0)}
+            "serving_steps": float(opts.steps_per_call), "serving_k1": float(opts.two_level_k1 or 0),
+            "serving_kv_passes": kv_passes}
 
 
 REGISTRY.register(Mechanism(
@@ -320,6 +334,10 @@ REGISTRY.register(Mechanism(
         ParamDef("serving.two_level_k1", "int", low=0, high=31, default=0,
                  doc="two-level verification: verify the first k1 drafts of every slot, the rest only "
                      "where all k1 passed; 0: one level", components=("verify",)),
+        ParamDef("serving.attention", "categorical", ("xla", "kernel"), default="xla",
+                 doc="paged attention of the serving engine: XLA (gathers each slot's pages into a "
+                     "contiguous view) or the Pallas ragged paged attention kernel (reads the pages "
+                     "in place; GPU only, XLA elsewhere)", components=("verify",)),
     ),
     component="verify",
     features=_serving_features,
