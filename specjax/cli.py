@@ -65,6 +65,9 @@ def cmd_generate(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
     engine = dict(kernels=args.kernels, kernel_tiles=args.kernel_tiles,
                   weights_format={g: args.weights for g in ("attn", "mlp", "head")})
+    if args.tp > 1:
+        from specjax.sharding.tp import tp_mesh
+        engine["mesh"] = tp_mesh(args.tp)
     tree = None
     if (args.tree is not None or args.tree_shape) and drafter is None:
         raise ConfigError("--tree / --tree-shape need a drafter")
@@ -136,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight format the kernels read: bf16 or lossless 12-bit (needs --dtype bfloat16)")
     g.add_argument("--kernel-tiles", choices=["default", "tuned"], default="default",
                    help="kernel tile configs: from the shape, or from `specjax tune-kernels`")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the target's weights over N devices (jax.sharding; XLA matmuls)")
     g.add_argument("--compare-ar", action="store_true",
                    help="also run plain AR on each prompt: speedup and token equality")
     g.set_defaults(func=cmd_generate)

@@ -88,7 +88,8 @@ class Decoder:
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, gen: GenerationConfig, drafter=None,
                  min_prompt_bucket: int = 0, weights_format: dict[str, str] | None = None,
-                 kernel_tiles: str = "default", kernels: str = "auto", tree=None):
+                 kernel_tiles: str = "default", kernels: str = "auto", tree=None, mesh=None,
+                 shard_drafter: bool = False):
         """kernels: "auto" (XLA for now: on the H200 the Pallas kernels measured slower than XLA,
         docs/results/kernels_h200.md), "xla", "pallas" (the skinny GEMMs on a GPU: bit-identical
         AR and verify steps, 12-bit weights), or "interpret" (the kernels in Pallas interpret mode).
@@ -96,8 +97,21 @@ class Decoder:
         the weights are the same bf16 values either way. kernel_tiles: "default" or "tuned".
         tree: verify trees of drafts instead of chains: a `TreeSpec` (builder, node budget, depth;
         specjax/trees/builders.py) or a `TreeShape` (the static builder), any drafter with
-        per-position distributions (block_logits or propose_logits)."""
+        per-position distributions (block_logits or propose_logits).
+        mesh: a 1-D "tp" mesh (specjax.sharding.tp.tp_mesh): the target's weights are split over
+        it (tensor parallelism; XLA partitions the same step functions), the drafter's replicated,
+        or split by the same rules with shard_drafter (docs/design/tensor_parallel.md)."""
         self.kernels = resolve_kernels(kernels, cfg)
+        self.shard_report = None
+        if mesh is not None:
+            if self.kernels != "xla":
+                raise NotImplementedError(
+                    "tensor parallelism with the Pallas kernels (pallas_call is not partitioned by "
+                    "XLA; each kernel needs a shard_map): use kernels='xla' with a mesh")
+            from specjax.sharding.tp import replicate, shard_params
+            params, self.shard_report = shard_params(params, mesh)
+            if drafter is not None:
+                drafter = shard_params(drafter, mesh)[0] if shard_drafter else replicate(drafter, mesh)
         self.kernel_report = []
         if self.kernels != "xla" and is_hybrid(cfg):  # attention and tree-GDN kernels; XLA GEMMs
             if weights_format:

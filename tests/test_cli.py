@@ -118,3 +118,10 @@ def test_process_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--model", str(tmp_path / "x"),
                            "--prompt", "hi"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "specjax: error:" in proc.stderr
+
+
+def test_tensor_parallel_needs_the_devices(capsys, tiny_dir):
+    import jax
+    n = jax.device_count() + 1
+    assert_user_error(capsys, ["--model", str(tiny_dir), "--prompt", "abc", "--tp", str(n)],
+                      f"tensor parallelism over {n} devices: {n - 1} available")

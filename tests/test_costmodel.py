@@ -196,3 +196,15 @@ def test_gathered_paged_attention_reads_the_cache_three_times():
     assert REGISTRY.features(on)["serving_kv_passes"] == 3.0
     assert REGISTRY.features(dict(on, **{"serving.attention": "kernel"}))["serving_kv_passes"] == 1.0
     assert REGISTRY.apply(dict(on, **{"serving.attention": "kernel"}))["serving"].attention == "xla"  # CPU
+
+
+def test_tensor_parallel_splits_the_read_and_pays_the_collectives():
+    # memory-bound AR (12 MB at 1 GB/s = 12 ms): tp = 4 reads 3 ms a device, plus per layer two
+    # all-reduces of [1, 64] float32 and one gather of [1, 100] float32 logits
+    dims = dataclasses.replace(DIMS, hidden=64, vocab=100, act_bytes=4)
+    dev = dataclasses.replace(DEV, link_bandwidth=1e8, collective_latency=1e-5)
+    one = predict(dims, dev, [0], [0], [0], alpha(0.5))
+    four = predict(dataclasses.replace(dims, tp=4), dev, [0], [0], [0], alpha(0.5))
+    comm = 10 * 2 * (1e-5 + 2 * 0.75 * 64 * 4 / 1e8) + (1e-5 + 0.75 * 100 * 4 / 1e8)
+    assert one["component_time"][0, 0] == pytest.approx(1e-3 + 12e-3)
+    assert four["component_time"][0, 0] == pytest.approx(1e-3 + 3e-3 + comm)

@@ -36,6 +36,10 @@ class DeviceModel:
     lh12_efficiency: float = 1.0  # LH12 kernel's read rate over its own bytes / the bf16 kernel's
     tuned_efficiency: float = 1.0  # tuned tiles' speed / default tiles' speed (tune-kernels cache)
     kernels_source: str = "default"  # where the two figures came from, or why they were not measured
+    # Tensor parallelism: all-reduce bus bandwidth per device (bytes/s) and one collective's fixed
+    # latency. Nominal NVLink-class figures, not measured here (no multi-GPU machine has been lent).
+    link_bandwidth: float = 350e9
+    collective_latency: float = 10e-6
 
 
 # Nominal figures. H200: the read bandwidth and matmul rate measured there on 2026-12-02

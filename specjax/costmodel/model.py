@@ -53,6 +53,13 @@ class ModelDims:
     # counted at 16; None: the registry's per-config factor (LH12_NOMINAL_BITS / 16).
     lh12_bits: tuple[float, float, float] | None = None
     batch: int = 1  # requests per step (the deployment's); each has num_slots of KV
+    # Tensor parallelism (docs/design/tensor_parallel.md): tp devices split the weights, the KV and
+    # the flops; each layer all-reduces its two row-parallel outputs ([tokens, hidden] activations
+    # of act_bytes each) and the head gathers the logits.
+    tp: int = 1
+    hidden: int = 0
+    vocab: int = 0
+    act_bytes: int = 2
 
     @staticmethod
     def of(cfg: ModelConfig, num_slots: int, lh12_bits: tuple[float, float, float] | None = None
@@ -72,7 +79,8 @@ class ModelDims:
                          num_slots=num_slots, attn_bytes=float(attn_params * item),
                          mlp_bytes=float(mlp_params * item),
                          head_matrix_bytes=float(cfg.vocab_size * D * item),
-                         lh12_bits=None if lh12_bits is None else tuple(float(b) for b in lh12_bits))
+                         lh12_bits=None if lh12_bits is None else tuple(float(b) for b in lh12_bits),
+                         hidden=D, vocab=cfg.vocab_size, act_bytes=item)
 
 
     @staticmethod
@@ -95,7 +103,8 @@ class ModelDims:
                          layer_flops=2.0 * layer_params, head_flops=2.0 * head_params,
                          kv_bytes_per_slot=2.0 * cfg.kv_size * item * n_attn / L,
                          attn_flops_per_slot=4.0 * cfg.q_size * n_attn / L, num_layers=L,
-                         num_slots=num_slots)
+                         num_slots=num_slots, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
+                         act_bytes=4 if cfg.dtype == "float32" else 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +146,20 @@ def _forward_time(dims: ModelDims, dev: DeviceModel, layers, tokens, peak: bool,
     fixed = 0.0 if peak else dev.step_overhead + layers * dev.layer_overhead
     # the all-bf16 read time first, exactly as before formats, then the formats' saving off it
     read = bytes_ / bw - _saved_bytes(dims, wp, layers, peak) / bw
-    return fixed + jnp.maximum(read, flops / rate)
+    if dims.tp == 1:
+        return fixed + jnp.maximum(read, flops / rate)
+    return fixed + jnp.maximum(read / dims.tp, flops / (rate * dims.tp)) + _tp_comm_time(dims, dev, layers, tokens)
+
+
+def _tp_comm_time(dims: ModelDims, dev: DeviceModel, layers, tokens):
+    """A forward's collectives under tensor parallelism: per layer two ring all-reduces of the
+    [tokens, hidden] activations (each moves 2 (tp - 1) / tp of them per device), and one
+    all-gather of the logits. Not overlapped with the weight read (a conservative bound)."""
+    n = dims.tp
+    ring = (n - 1) / n
+    all_reduce = dev.collective_latency + 2.0 * ring * tokens * dims.hidden * dims.act_bytes / dev.link_bandwidth
+    gather = dev.collective_latency + ring * tokens * dims.vocab * 4.0 / dev.link_bandwidth
+    return layers * 2.0 * all_reduce + gather
 
 
 def expected_tokens(alpha, k):

@@ -1,0 +1,1 @@
+"""Multi-device placement (tensor parallelism through jax.sharding)."""

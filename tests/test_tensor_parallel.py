@@ -1,0 +1,54 @@
+"""Tensor parallelism (docs/design/tensor_parallel.md): with 4 virtual CPU devices, dense and
+hybrid targets sharded over 2 and 4 of them generate the unsharded engine's greedy tokens, and
+speculative decoding (n-gram, block, small-model drafters, chains and trees, drafter replicated or
+sharded) passes token forcing against the unsharded AR. The cases run in a child process: the
+device count is fixed when jax starts. Also here: the placement rules, and refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import tiny_model
+from specjax.decoding.sequences import GenerationConfig
+from specjax.engine import Decoder
+from specjax.errors import ConfigError
+from specjax.sharding.tp import TP_AXIS, param_shardings, param_spec, tp_mesh
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_sharded_engine_is_token_exact(family):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    run = subprocess.run([sys.executable, str(HERE / "tp_cases.py"), family], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("ok ") >= (10 if family == "dense" else 8), run.stdout
+
+
+def test_placement_rules():
+    assert param_spec("w_qkv", (32, 64), 4) == P(None, TP_AXIS)
+    assert param_spec("w_down", (64, 32), 4) == P(TP_AXIS, None)
+    assert param_spec("A_log", (8,), 4) == P(TP_AXIS)
+    assert param_spec("w_o", (30, 32), 4) == P()  # 30 rows do not split 4 ways: replicated
+    assert param_spec("attn_norm", (32,), 4) == P() and param_spec("embed", (96, 32), 4) == P()
+    cfg, params = tiny_model(seed=1)
+    shardings, report = param_shardings(params, tp_mesh(1))
+    assert shardings.layers[0].w_qkv.spec == P(None, TP_AXIS) and not report.replicated_uneven
+
+
+def test_refusals():
+    cfg, params = tiny_model(seed=1)
+    with pytest.raises(ConfigError, match="tensor parallelism over 9 devices"):
+        tp_mesh(9)
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(NotImplementedError, match="tensor parallelism with the Pallas kernels"):
+            Decoder(cfg, params, GenerationConfig(max_new_tokens=4), kernels="interpret", mesh=tp_mesh(1))

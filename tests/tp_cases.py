@@ -1,0 +1,110 @@
+"""Tensor-parallel cases, run by test_tensor_parallel.py in a process with 4 virtual CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before jax starts). Each case
+compares the sharded engine with the unsharded one: greedy tokens equal, token forcing passes."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from specjax.decoding.sequences import GenerationConfig  # noqa: E402
+from specjax.drafters.block import init_block_drafter  # noqa: E402
+from specjax.drafters.model_drafter import small_model_drafter  # noqa: E402
+from specjax.drafters.ngram import NgramDrafter  # noqa: E402
+from specjax.engine import Decoder  # noqa: E402
+from specjax.forcing import check_token_forcing  # noqa: E402
+from specjax.models.config import ModelConfig  # noqa: E402
+from specjax.models.hybrid import init_random_hybrid_params  # noqa: E402
+from specjax.models.hybrid_config import HybridConfig  # noqa: E402
+from specjax.models.params import init_random_params  # noqa: E402
+from specjax.sharding.tp import TP_AXIS, tp_mesh  # noqa: E402
+from specjax.trees.builders import TreeSpec  # noqa: E402
+
+TOL = 1e-4
+
+
+def prompts_for(rng, vocab, count=3):
+    out = []
+    for _ in range(count):
+        motif = rng.integers(3, vocab, int(rng.integers(3, 7))).tolist()
+        out.append((motif * 4)[: int(rng.integers(8, 20))])
+    return out
+
+
+def check(name, decoder, prompts, reference):
+    report = check_token_forcing(decoder, prompts, reference, tolerance=TOL)
+    assert report.passed, f"{name}: {report.summary()}"
+    free = decoder.generate(prompts)
+    if all(min(m, default=np.inf) >= TOL for m in reference.margins):
+        assert free.tokens == reference.tokens, f"{name}: free-running tokens differ"
+    print(f"ok {name}: {report.summary()}")
+
+
+def dense(seed: int, tp: int):
+    rng = np.random.default_rng(seed)
+    kv = int(rng.choice([2, 4]))
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=kv * int(rng.choice([1, 2])), num_kv_heads=kv, head_dim=8,
+                      tie_word_embeddings=bool(rng.integers(0, 2)), qk_norm=bool(rng.integers(0, 2)),
+                      max_position_embeddings=256)
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), scale=0.5)
+    prompts = prompts_for(rng, cfg.vocab_size)
+    gen = GenerationConfig(max_new_tokens=16)
+    mesh = tp_mesh(tp)
+    reference = Decoder(cfg, params, gen).generate(prompts)
+    sharded_ar = Decoder(cfg, params, gen, mesh=mesh)
+    w = sharded_ar.params.layers[0].w_qkv
+    assert w.sharding.spec[1] == TP_AXIS and len(w.sharding.device_set) == tp, w.sharding
+    assert sharded_ar.shard_report.sharded
+    got = sharded_ar.generate(prompts)
+    if all(min(m, default=np.inf) >= TOL for m in reference.margins):
+        assert got.tokens == reference.tokens, f"dense seed {seed} tp {tp}: AR tokens differ"
+    print(f"ok dense AR seed {seed} tp {tp}")
+    block = init_block_drafter(params, cfg, jax.random.PRNGKey(seed + 1), 5, 1)
+    dcfg = ModelConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=8, max_position_embeddings=256)
+    small = small_model_drafter(init_random_params(dcfg, jax.random.PRNGKey(seed + 2), 0.3), dcfg, cfg, k=3)
+    for label, drafter, tree, shard in (("ngram", NgramDrafter(k=4), None, False),
+                                        ("block", block, None, True),
+                                        ("block tree 8", block, TreeSpec.budget("best_first", 8, 4), False),
+                                        ("small AR drafter", small, None, False)):
+        dec = Decoder(cfg, params, gen, drafter=drafter, tree=tree, mesh=mesh, shard_drafter=shard)
+        check(f"dense seed {seed} tp {tp} {label}", dec, prompts, reference)
+
+
+def hybrid(seed: int, tp: int):
+    rng = np.random.default_rng(seed)
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    rng.shuffle(kinds)
+    cfg = HybridConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, layer_types=tuple(kinds),
+        num_heads=4, num_kv_heads=2, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
+        rms_norm_eps=1e-6, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=3, max_position_embeddings=512, dtype="float32")
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(seed), scale=0.3)
+    prompts = prompts_for(rng, cfg.vocab_size)
+    gen = GenerationConfig(max_new_tokens=16)
+    mesh = tp_mesh(tp)
+    reference = Decoder(cfg, params, gen).generate(prompts)
+    got = Decoder(cfg, params, gen, mesh=mesh).generate(prompts)
+    if all(min(m, default=np.inf) >= TOL for m in reference.margins):
+        assert got.tokens == reference.tokens, f"hybrid seed {seed} tp {tp}: AR tokens differ"
+    print(f"ok hybrid AR seed {seed} tp {tp}")
+    dcfg = ModelConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=8, max_position_embeddings=512)
+    small = small_model_drafter(init_random_params(dcfg, jax.random.PRNGKey(seed + 1), 0.3), dcfg, cfg, k=3)
+    for label, drafter, tree in (("ngram", NgramDrafter(k=4), None), ("small AR drafter", small, None),
+                                 ("small AR drafter tree 6", small, TreeSpec.budget("topk", 6, 3))):
+        dec = Decoder(cfg, params, gen, drafter=drafter, tree=tree, mesh=mesh)
+        check(f"hybrid seed {seed} tp {tp} {label}", dec, prompts, reference)
+
+
+if __name__ == "__main__":
+    assert jax.device_count() >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
+    which = sys.argv[1]
+    for seed, tp in ((11, 4), (12, 2)):
+        {"dense": dense, "hybrid": hybrid}[which](seed, tp)
