@@ -60,6 +60,7 @@ def test_canonical_drops_inactive_and_constraints_hold(tmp_path):
     ("drafter.k <= 4\"", "drafter.q <= 4\"", ":13:", "unknown parameter 'drafter.q'"),
     ("drafter.k <= 4\"", "__import__('os')\"", ":13:", "may only call min, max, abs"),
     ("drafter.ngram_max_n: 3}", "drafter.ngram_max_n: 9}", ":6:", "outside [2, 4]"),
+    ("  target: smollm2-135m", "  target: smollm2-135m\n  tp: 0", ":5:", "deployment.tp"),
 ])
 def test_spec_errors_name_file_line_and_key(tmp_path, old, new, where, needle):
     text = GOOD.replace(old, new)
@@ -76,3 +77,9 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_spec(write(tmp_path, "a: 1\nb: [1,\n"))
     with pytest.raises(ConfigError, match="not found"):
         load_spec(str(tmp_path / "none.yaml"))
+
+
+def test_tensor_parallel_deployment(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD.replace("  target: smollm2-135m", "  target: smollm2-135m\n  tp: 2")))
+    assert spec.deployment.tp == 2 and spec.deployment.fingerprint()["tp"] == 2
+    assert "tp" not in load_spec(write(tmp_path, GOOD)).deployment.fingerprint()  # old records still match

@@ -116,11 +116,12 @@ class Plan:
         # the target's LH12 bits per weight per group (attn, mlp, head), when measured
         # (specjax/costmodel/weight_bits.py); None: the registry's nominal figure
         self.lh12_bits: tuple[float, float, float] | None = None
+        self.tp = 1  # tensor-parallel devices (deployment.tp): the cost model prices the collectives
 
     def dims(self, k: int) -> ModelDims:
         dims = ModelDims.of(self.target.cfg, num_slots_for(self.bucket, self.gen.max_new_tokens, k),
                             lh12_bits=self.lh12_bits)
-        return dataclasses.replace(dims, batch=self.batch)
+        return dataclasses.replace(dims, batch=self.batch, tp=self.tp)
 
     def floor_seconds(self, config: dict, tokens: int) -> float:
         """No real run of `tokens` tokens can be faster than this (12-bit weights lower it)."""
@@ -171,8 +172,13 @@ class Evaluator(Plan):
             if rest:
                 raise ConfigError(f"the serving engine runs bf16 XLA weights with chains; this config also "
                                   f"sets {sorted(rest)}")
+            if self.tp > 1:
+                raise NotImplementedError("the serving engine under tensor parallelism is not built")
             return ServingDecoder(self.target.cfg, self.target.params, self.gen, drafter,
                                   num_slots=self.batch, options=changes["serving"], prompt_width=self.bucket)
+        if self.tp > 1:
+            from specjax.sharding.tp import tp_mesh
+            changes["mesh"] = tp_mesh(self.tp)
         return Decoder(self.target.cfg, self.target.params, self.gen, drafter, min_prompt_bucket=self.bucket,
                        **changes)
 

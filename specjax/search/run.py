@@ -116,6 +116,7 @@ def run_search(spec_path: str, output: str | None = None, resume: bool = False, 
         evaluator = factory(target, prompts, spec.deployment.max_new_tokens, cost_device, device_name,
                             spec.forcing_tolerance, spec.floor_tolerance, batch=spec.deployment.batch)
     evaluator.lh12_bits = lh12_bits
+    evaluator.tp = spec.deployment.tp
     search = Search(spec, evaluator, make_proposer(spec, proposer), out, memory=MemoryStore(memory_dir),
                     agents=agents, progress=progress, refit_from_ar=same)
     try:

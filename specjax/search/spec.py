@@ -20,7 +20,7 @@ from specjax.search.yaml_lines import LineDict, load_yaml
 
 TOP_KEYS = {"version", "name", "deployment", "stock", "space", "constraints", "budget", "proposer",
             "gates", "evaluator", "output"}
-DEPLOYMENT_KEYS = {"target", "dtype", "hardware", "batch", "prompts", "max_new_tokens", "sampling"}
+DEPLOYMENT_KEYS = {"target", "dtype", "hardware", "batch", "prompts", "max_new_tokens", "sampling", "tp"}
 PROMPT_SOURCES = ("humaneval", "file")
 HARDWARE_KEYS = {"name", "bandwidth_GBps", "peak_tflops", "step_overhead_us"}
 BUDGET_KEYS = {"rounds", "agents", "proposals_per_agent", "measure_per_round", "runs", "wall_clock_s"}
@@ -91,9 +91,10 @@ class Deployment:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    tp: int = 1  # tensor-parallel devices the target is split over (docs/design/tensor_parallel.md)
 
     def fingerprint(self) -> dict:
-        return {"target": self.target, "hardware": self.hardware.name, "batch": self.batch,
+        return {**({"tp": self.tp} if self.tp > 1 else {}), "target": self.target, "hardware": self.hardware.name, "batch": self.batch,
                 "prompts": f"{self.prompt_source}:{self.prompt_n}@{self.prompt_offset}",
                 "max_new_tokens": self.max_new_tokens,
                 "sampling": "greedy" if self.temperature == 0 else f"t{self.temperature}/p{self.top_p}",
@@ -288,7 +289,7 @@ def _deployment(ctx: _Ctx, raw: LineDict) -> Deployment:
         prompt_n=ctx.positive(prompts, "n", int, p + "prompts.", 4),
         prompt_offset=ctx.positive(prompts, "offset", int, p + "prompts.", 0, minimum=0),
         prompt_file=prompt_file,
-        max_new_tokens=ctx.positive(d, "max_new_tokens", int, p, 64),
+        max_new_tokens=ctx.positive(d, "max_new_tokens", int, p, 64), tp=ctx.positive(d, "tp", int, p, 1),
         temperature=temperature, top_p=float(ctx.typed(sampling, "top_p", (int, float), p + "sampling.", 1.0)))
 
 

@@ -58,6 +58,7 @@ class WorkerCore:
         self.ev = factory(target, prompts, spec.deployment.max_new_tokens, DeviceModel(**init["cost_device"]),
                           current_device_name(), spec.forcing_tolerance, spec.floor_tolerance,
                           batch=spec.deployment.batch)
+        self.ev.tp = spec.deployment.tp
 
     def handle(self, request: dict) -> dict:
         op, a = request["op"], request.get("args", {})
