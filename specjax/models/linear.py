@@ -16,7 +16,8 @@ from pallas_kernels.skinny_gemm import GemmWeight, skinny_gemm, unprepare_bf16
 from pallas_kernels.skinny_gemm_lh12 import Lh12GemmWeight, dense_lh12, skinny_gemm_lh12
 
 SLAB = 64  # rows per kernel call: 4 tensor-core row chunks, what the accumulators fit
-MAX_SLABS = 8  # more rows than SLAB * MAX_SLABS: XLA (the weights would be read once per slab)
+MAX_SLABS = 16  # more rows: XLA (the weights are read once per slab). 16: a batch of 32 verifying
+# trees of 16 nodes (544 rows) stays on the kernels, so it rounds as its AR steps do
 
 KernelWeight = GemmWeight | Lh12GemmWeight
 
