@@ -76,6 +76,30 @@ def dense(seed: int, tp: int):
         check(f"dense seed {seed} tp {tp} {label}", dec, prompts, reference)
 
 
+def serving(seed: int, tp: int):
+    """The continuous-batching engine with every mechanism on, target split over tp devices:
+    token forcing per request against the unsharded AR."""
+    from specjax.serving import ServingEngine, ServingOptions
+    from specjax.serving.forcing import check_serving_forcing
+    rng = np.random.default_rng(seed)
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=8, max_position_embeddings=256)
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), scale=0.5)
+    prompts = prompts_for(rng, cfg.vocab_size, count=5)
+    reference = Decoder(cfg, params, GenerationConfig(max_new_tokens=12)).generate(prompts)
+    block = init_block_drafter(params, cfg, jax.random.PRNGKey(seed + 1), 4, 1)
+    for label, drafter, opts in (
+            ("ngram, budget + packed + device loop + two-level", NgramDrafter(k=4),
+             ServingOptions(budget=6, packed=True, steps_per_call=4, two_level_k1=2)),
+            ("block, padded host loop", block, ServingOptions())):
+        engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=16, forcing=True,
+                               options=opts, mesh=tp_mesh(tp))
+        assert len(engine.params.layers[0].w_down.sharding.device_set) == tp
+        report = check_serving_forcing(engine, prompts, reference, 12, tolerance=TOL)
+        assert report.passed, f"serving seed {seed} tp {tp} {label}: {report.summary()}"
+        print(f"ok serving seed {seed} tp {tp} {label}: {report.summary()}")
+
+
 def hybrid(seed: int, tp: int):
     rng = np.random.default_rng(seed)
     kinds = ["linear_attention"] * 3 + ["full_attention"]
@@ -107,4 +131,4 @@ if __name__ == "__main__":
     assert jax.device_count() >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
     which = sys.argv[1]
     for seed, tp in ((11, 4), (12, 2)):
-        {"dense": dense, "hybrid": hybrid}[which](seed, tp)
+        {"dense": dense, "hybrid": hybrid, "serving": serving}[which](seed, tp)

@@ -172,10 +172,13 @@ class Evaluator(Plan):
             if rest:
                 raise ConfigError(f"the serving engine runs bf16 XLA weights with chains; this config also "
                                   f"sets {sorted(rest)}")
+            mesh = None
             if self.tp > 1:
-                raise NotImplementedError("the serving engine under tensor parallelism is not built")
+                from specjax.sharding.tp import tp_mesh
+                mesh = tp_mesh(self.tp)
             return ServingDecoder(self.target.cfg, self.target.params, self.gen, drafter,
-                                  num_slots=self.batch, options=changes["serving"], prompt_width=self.bucket)
+                                  num_slots=self.batch, options=changes["serving"], prompt_width=self.bucket,
+                                  mesh=mesh)
         if self.tp > 1:
             from specjax.sharding.tp import tp_mesh
             changes["mesh"] = tp_mesh(self.tp)

@@ -18,8 +18,9 @@ from specjax.serving.state import ServingOptions
 class ServingDecoder:
     def __init__(self, cfg, params, gen: GenerationConfig, drafter=None, num_slots: int = 4,
                  options: ServingOptions = ServingOptions(), page_size: int = 16,
-                 prompt_width: int = 0):
+                 prompt_width: int = 0, mesh=None):
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
+        self.mesh = mesh  # tensor parallelism (passed to each ServingEngine)
         self.num_slots, self.options, self.page_size = num_slots, options, page_size
         self.prompt_width = prompt_width
 
@@ -41,7 +42,7 @@ class ServingDecoder:
                              slot_len=slot_len, page_size=self.page_size, prompt_width=width,
                              queue_len=self.num_slots, max_waiting=max(len(prompts), 1),
                              sampling=self.gen.sampling, stop_tokens=self.gen.stop_tokens,
-                             options=self.options, seed=seed, forcing=forcing)
+                             options=self.options, seed=seed, forcing=forcing, mesh=self.mesh)
 
     def generate(self, prompts: list[list[int]], seed: int = 0, forced=None) -> GenerationResult:
         engine = self.engine(prompts, seed, forcing=forced is not None)

@@ -72,7 +72,8 @@ class ServingEngine:
                  page_size: int = 16, num_pages: int | None = None, queue_len: int | None = None,
                  max_waiting: int = 1024, prompt_width: int | None = None,
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
-                 options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False):
+                 options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
+                 mesh=None, shard_drafter: bool = False):
         if is_hybrid(cfg):
             raise NotImplementedError("the serving engine serves dense targets; hybrid targets run "
                                       "in engine.Decoder (a batch at a time)")
@@ -86,6 +87,14 @@ class ServingEngine:
                               f"power of two >= 16, got {page_size}")
         if options.attention == "pallas" and jax.devices()[0].platform != "gpu":
             raise ConfigError("attention='pallas' needs a GPU; use 'interpret' to run the kernel on a CPU, slowly")
+        if mesh is not None:  # tensor parallelism: as engine.Decoder (docs/design/tensor_parallel.md)
+            if options.attention != "xla":
+                raise NotImplementedError("tensor parallelism with the paged attention kernel (pallas_call is "
+                                          "not partitioned by XLA) is not built: use attention='xla'")
+            from specjax.sharding.tp import replicate, shard_params
+            params = shard_params(params, mesh)[0]
+            if drafter is not None:
+                drafter = shard_params(drafter, mesh)[0] if shard_drafter else replicate(drafter, mesh)
         self.cfg, self.params, self.drafter = cfg, params, drafter
         self.k = 0 if drafter is None else drafter.k
         self.options = options.check(self.k, num_slots)
