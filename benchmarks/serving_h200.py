@@ -113,7 +113,7 @@ def configs(batch: int, budget: int, ladder: bool, only: set[str] | None = None
     if jax.devices()[0].platform == "gpu":  # the ragged paged attention kernel in place of XLA's gather
         out.insert(1, ("ar+paged_kernel", dataclasses.replace(out[0][1], attention="pallas"), False))
         # the best ladder rung so far (two-level off) with the kernel
-        out.append(("+device_loop+paged_kernel", dataclasses.replace(all_on, two_level_k1=0,
+        out.append(("+device_loop+paged_kernel", dataclasses.replace(all_on, two_level_k1=None,
                                                                      attention="pallas"), True))
         out.append(("all+paged_kernel", dataclasses.replace(all_on, attention="pallas"), True))
     if only:
