@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-fidelity", type=int, default=30)
     ap.add_argument("--final-runs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--search-only", action="store_true",
+                    help="the search and the final interleaved run (AR, stock, found) only: no random "
+                         "search, TPE or fidelity top-up (a second spec sharing a device call)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,8 +163,10 @@ def main(argv=None) -> int:
     log(f"search: stock {state.stock['tokens_per_s'] / ar:.2f}x, found {state.incumbent['tokens_per_s'] / ar:.2f}x, "
         f"{state.measurements} measurements; baselines get {budget} each")
 
-    for name, fn in (("random", lambda: random_search(spec, ev, budget, args.seed)),
-                     ("tpe", lambda: tpe_search(spec, ev, budget, args.seed, spec.budget.measure_per_round))):
+    baselines = () if args.search_only else (
+        ("random", lambda: random_search(spec, ev, budget, args.seed)),
+        ("tpe", lambda: tpe_search(spec, ev, budget, args.seed, spec.budget.measure_per_round)))
+    for name, fn in baselines:
         t = time.monotonic()
         rows = fn()
         b = best(rows)
@@ -173,6 +178,9 @@ def main(argv=None) -> int:
     # cost-model fidelity over every distinct config with a trustworthy time: validated ones, and ones
     # the forcing gate refused (that gate judges tokens, not the clock); floor-gate refusals are
     # timing bugs and crashes have no time, so those stay out
+    if args.search_only:
+        return final_word(args, result, save, ev, state, search_rows, extra=[])
+
     def timed_ok(r):
         return r["rejected"] is None or r["rejected"].startswith("token forcing")
     measured: dict[str, dict] = {}
@@ -208,11 +216,14 @@ def main(argv=None) -> int:
                                      for r, p in zip(rows, pred)],
                           "extra": extra}
     save()
+    return final_word(args, result, save, ev, state, search_rows, extra)
 
-    # the final word: everything side by side, interleaved, on one clock
+
+def final_word(args, result, save, ev, state, search_rows, extra) -> int:
+    """Everything side by side, interleaved, on one clock; then the printed table."""
     finals = {"ar": AR_CONFIG, "stock": state.stock["config"], "search": state.incumbent["config"]}
     for name in ("random", "tpe"):
-        if result[name]["best"]:
+        if result.get(name, {}).get("best"):
             finals[name] = result[name]["best"]["config"]
     ms = ev.measure_interleaved(list(finals.values()), args.final_runs)
     ar_final = ms[0].tokens_per_s
@@ -221,13 +232,15 @@ def main(argv=None) -> int:
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
 
-    f = result["fidelity"]
-    v = f["validated_only"]
-    log(f"\ncost-model fidelity on {ev.device_name}: {f['configs']} configs, median relative error "
-        f"{f['median_relative_error'] * 100:.1f}%, Spearman {f['spearman']:.3f}, mean signed error "
-        f"{f['mean_signed_error'] * 100:+.1f}% (validated only: {v['configs']}, "
-        f"{v['median_relative_error'] * 100:.1f}%, {v['spearman']:.3f})")
-    gated = sum(1 for r in search_rows + result["random"]["evaluated"] + result["tpe"]["evaluated"] + extra
+    if "fidelity" in result:
+        f = result["fidelity"]
+        v = f["validated_only"]
+        log(f"\ncost-model fidelity on {ev.device_name}: {f['configs']} configs, median relative error "
+            f"{f['median_relative_error'] * 100:.1f}%, Spearman {f['spearman']:.3f}, mean signed error "
+            f"{f['mean_signed_error'] * 100:+.1f}% (validated only: {v['configs']}, "
+            f"{v['median_relative_error'] * 100:.1f}%, {v['spearman']:.3f})")
+    others = [r for name in ("random", "tpe") for r in result.get(name, {}).get("evaluated", [])]
+    gated = sum(1 for r in search_rows + others + extra
                 if r["rejected"] and r["rejected"].startswith("token forcing"))
     log(f"token forcing refused {gated} measured configs")
     log(f"{'method':8} {'measurements':>12} {'tok/s':>9} {'speedup':>8}  config   (final interleaved run, {ev.device_name})")

@@ -130,11 +130,14 @@ def test_device_model_old_files_load_and_kernel_calibration(tmp_path):
     assert "needs a GPU (found cpu)" in note and "needs a GPU" in skipped.kernels_source
     assert (skipped.lh12_efficiency, skipped.tuned_efficiency) == (1.0, 1.0)
 
-    def fake(shape, fmt, cfg, tokens):  # LH12 takes 0.9 of bf16's time; 8 warps are 20% faster
+    def fake(shape, fmt, cfg, tokens):  # LH12 0.9 of bf16's time, XLA 0.95; 8 warps are 20% faster
+        if fmt == "xla":
+            return 0.95
         return (0.9 if fmt == "lh12" else 1.0) * (0.8 if cfg.num_warps == 8 else 1.0)
     shape = (256, 512)
     measured, _ = calibrate_kernels(dev, shape=shape, store_dir=tmp_path, time_fn=fake)
     assert measured.lh12_efficiency == pytest.approx(R / 0.9) and measured.tuned_efficiency == 1.0
+    assert measured.pallas_efficiency == pytest.approx(0.95)
     from specjax.search.kernel_tuner import default_tiles, write_entries
     tuned = dataclasses.asdict(dataclasses.replace(default_tiles(shape), num_warps=8))
     write_entries(tmp_path / "kernels" / f"{dev.name}.json", dev.name, {"256x512": {"bf16": tuned, "lh12": tuned}})
@@ -214,3 +217,32 @@ def test_floor_and_defaults_in_the_loop(tmp_path):
     ar = search._ar_config()
     assert ar == {"drafter.kind": "none", **fmt()} and spec.is_valid(spec.canonical(ar))
     assert Search(load_spec("search_specs/h200.yaml"), None, None, tmp_path)._ar_config() == {"drafter.kind": "none"}
+
+
+def test_kernels_backend_knob(monkeypatch):
+    p = REGISTRY.params()["kernels.backend"]
+    assert (p.values, p.default) == (("xla", "pallas"), "xla")
+    pallas = {**fmt(), "kernels.backend": "pallas"}
+    assert REGISTRY.features(fmt())["kernels_pallas"] == 0.0
+    assert REGISTRY.features(pallas)["kernels_pallas"] == 1.0
+    # 12-bit weights and tuned tiles are read by the kernels only: they imply them
+    assert REGISTRY.features(fmt(mlp="lh12"))["kernels_pallas"] == 1.0
+    assert REGISTRY.features(fmt(tiles="tuned"))["kernels_pallas"] == 1.0
+    # on this CPU the engine runs XLA (the kernels' interpret mode is for tests): no engine change
+    assert REGISTRY.apply(pallas)["kernels"] == "xla" and engine_changes(pallas) == {}
+    monkeypatch.setattr("jax.devices", lambda *a: [types.SimpleNamespace(platform="gpu")])
+    assert engine_changes(pallas) == {"kernels": "pallas"}
+    assert engine_changes(fmt(attn="lh12"))["kernels"] == "pallas"
+    assert engine_changes(fmt()) == {}
+
+
+def test_pallas_efficiency_prices_the_kernels():
+    slow = dataclasses.replace(DEV, pallas_efficiency=0.5)
+    configs = [fmt(), {**fmt(), "kernels.backend": "pallas"}]
+    p = run(configs, dev=slow)
+    verify, floor = p["component_time"][:, 0], p["component_floor"][:, 0]
+    matrices = 10 * 0.95e6 + 1.9e6  # the GEMM weights; norms are not read by the kernels
+    assert verify[1] == pytest.approx(verify[0] + matrices / 1e9)  # half the rate: twice the time
+    assert floor[1] == floor[0]  # the floor is the bytes, whatever reads them
+    same = run(configs)["component_time"]  # at pallas_efficiency 1.0 the knob costs nothing
+    assert np.array_equal(same[0], same[1])

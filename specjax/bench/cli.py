@@ -27,6 +27,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--prompts-from", metavar="FILE", help="read the prompt sets from a file --export-prompts wrote")
     b.add_argument("--deadline-s", type=float,
                    help="start no (set, batch) unit after this many seconds; the report lists those skipped")
+    b.add_argument("--resume", metavar="BENCH_JSON",
+                   help="run only the (set, batch) units a partial bench.json of the same config lists as "
+                        "skipped, and write it joined with them to --out (a run split over device calls)")
     b.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="merge bench.json files of one config run in parts (by sets) into --out, and stop")
     b.set_defaults(func=cmd_bench)
@@ -47,7 +50,7 @@ def cmd_bench(args) -> int:
 
     from specjax.bench.config import BenchConfig, bench_config_from_dict, load_bench_config
     from specjax.bench.prompt_sets import export_prompt_sets, read_prompt_file
-    from specjax.bench.protocol import merge_results, run_bench
+    from specjax.bench.protocol import merge_results, resume_result, run_bench
     from specjax.bench.report import markdown, write_report
     from specjax.models.loading import load_model
 
@@ -83,15 +86,31 @@ def cmd_bench(args) -> int:
         export_prompt_sets(cfg.sets, args.export_prompts)
         print(f"wrote {args.export_prompts}: " + ", ".join(f"{n} ({k} prompts)" for n, k in cfg.sets))
         return 0
+    previous = only = None
+    if args.resume:
+        from specjax.atomic import read_json_checked
+        previous = read_json_checked(args.resume)
+        only = set(previous.get("skipped", []))
+        if not only:
+            raise ConfigError(f"--resume {args.resume}: that run skipped nothing; there is nothing to resume")
     exported = read_prompt_file(args.prompts_from) if args.prompts_from else None
     commit = _commit()  # the code that runs: read before the run, which can outlast a commit
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": commit}
     model = load_model(cfg.model, cfg.dtype)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
-    result = run_bench(model, cfg, progress=lambda s: print(s, flush=True), exported=exported,
-                       deadline=deadline, partial=lambda r: write_report(dict(r, meta=meta), args.out))
-    result["meta"] = meta
+
+    def joined(r):
+        r = dict(r, meta=meta)
+        if previous is None:
+            return r
+        try:
+            return resume_result(previous, r)
+        except ValueError as e:
+            raise ConfigError(f"--resume {args.resume}: {e}") from None
+    result = run_bench(model, cfg, progress=lambda s: print(s, flush=True), exported=exported, deadline=deadline,
+                       partial=lambda r: write_report(joined(r), args.out), only_units=only)
+    result = joined(result)
     paths = write_report(result, args.out)
     print("\n" + markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

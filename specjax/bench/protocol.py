@@ -123,10 +123,11 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
 
 def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               exported: dict[str, list[str]] | None = None, deadline: float | None = None,
-              partial: Callable[[dict], None] | None = None) -> dict:
+              partial: Callable[[dict], None] | None = None, only_units: set[str] | None = None) -> dict:
     """Every (set, batch size) of the config in order. deadline (time.monotonic()): units not
     started by then are listed under "skipped"; partial(result) after each unit (so a run cut
-    short keeps what it measured)."""
+    short keeps what it measured). only_units: run just these ("humaneval B=32", the form
+    "skipped" lists), for resuming a run cut short."""
     peers = {}
     if cfg.peers:
         from specjax.bench.peer import make_peers
@@ -137,6 +138,8 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               "rows": [], "skipped": []}
     for set_name, n in cfg.sets:
         for batch in cfg.batch_sizes:
+            if only_units is not None and f"{set_name} B={batch}" not in only_units:
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 result["skipped"].append(f"{set_name} B={batch}")
                 progress(f"deadline: skipping {set_name} B={batch}")
@@ -146,6 +149,19 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
             if partial is not None:
                 partial(result)
     return result
+
+
+def resume_result(previous: dict, resumed: dict) -> dict:
+    """A partial result and the run of its skipped units (same config) -> one result: the rows of
+    both, in the config's order of sets; skipped what the second run still skipped."""
+    if previous["config"] != resumed["config"]:
+        diff = sorted(k for k in previous["config"].keys() | resumed["config"].keys()
+                      if previous["config"].get(k) != resumed["config"].get(k))
+        raise ValueError(f"the resumed run has another config (fields {', '.join(diff)})")
+    order = {name: i for i, name in enumerate(previous["sets"])}
+    rows = sorted(previous["rows"] + resumed["rows"], key=lambda r: order.get(r["set"], len(order)))
+    meta = dict(previous.get("meta", {}), parts=[previous.get("meta", {}), resumed.get("meta", {})])
+    return dict(previous, rows=rows, skipped=list(resumed.get("skipped", [])), meta=meta)
 
 
 def merge_results(results: list[dict]) -> dict:

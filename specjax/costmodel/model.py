@@ -3,8 +3,9 @@ ceiling puts every component at its physical floor (bytes / peak bandwidth, flop
 fixed costs) with the same acceptance. Pure JAX: `predict` is jit + vmap over candidate arrays.
 
 Weight formats: a forward's weight read is split into groups (attn, mlp, head); a group in LH12
-reads bits/16 of its bf16 bytes at `DeviceModel.lh12_efficiency` of the bandwidth, and tuned kernel
-tiles run at `tuned_efficiency`. All-bf16 with default tiles subtracts an exact zero, so it predicts
+reads bits/16 of its bf16 bytes at `DeviceModel.lh12_efficiency` of the bandwidth, tuned kernel
+tiles run at `tuned_efficiency`, and our Pallas GEMMs (which 12-bit weights and tuned tiles imply)
+at `pallas_efficiency` of XLA's. All-bf16 XLA with default tiles subtracts an exact zero, so it predicts
 bit for bit what the model did before formats existed. Floors take the fewer bytes, never the
 efficiencies (nothing beats bytes / peak bandwidth).
 
@@ -116,13 +117,16 @@ class WeightPlan:
     efficiency: jax.Array
 
     @staticmethod
-    def of(dims: ModelDims, dev: DeviceModel, bytes_factor, lh12, tuned) -> "WeightPlan":
+    def of(dims: ModelDims, dev: DeviceModel, bytes_factor, lh12, tuned, pallas=0.0) -> "WeightPlan":
         lh12 = lh12 > 0
         if dims.lh12_bits is not None:  # the target's own figure beats the nominal one
             bits = jnp.asarray(dims.lh12_bits, jnp.float32)
             bytes_factor = jnp.where(lh12, bits / 16.0, bytes_factor)
             lh12 = lh12 & (bits < 16.0)  # a group whose tensors all stay bf16 runs the bf16 kernel
-        eff = jnp.where(lh12, dev.lh12_efficiency, 1.0) * jnp.where(tuned > 0, dev.tuned_efficiency, 1.0)
+        # lh12 and tuned efficiencies are relative to our bf16 kernel; pallas_efficiency puts that
+        # kernel against XLA's GEMMs (the all-bf16 XLA baseline stays an exact 1.0)
+        eff = (jnp.where(lh12, dev.lh12_efficiency, 1.0) * jnp.where(tuned > 0, dev.tuned_efficiency, 1.0)
+               * jnp.where(pallas > 0, dev.pallas_efficiency, 1.0))
         return WeightPlan(fraction=bytes_factor, efficiency=eff)
 
 
@@ -199,17 +203,18 @@ def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp
     return jnp.where(k1 > 0, two, single), d
 
 
-def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, tree_nodes,
-         budget, packed, steps_per_call, two_level_k1, kv_passes):
+def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, pallas,
+         tree_nodes, budget, packed, steps_per_call, two_level_k1, kv_passes):
     """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
     3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
-    bytes_factor, lh12 [3] per weight group; tuned a 0/1 flag; the serving mechanisms: budget
+    bytes_factor, lh12 [3] per weight group; tuned, pallas 0/1 flags (tuned tiles; our Pallas GEMMs
+    instead of XLA's); the serving mechanisms: budget
     (draft tokens per step, 0: none), packed 0/1, steps_per_call (0: the batch engine, whole
     decode on the device; n: the serving engine, a host sync every n steps), two_level_k1,
     kv_passes (passes over the KV cache: 3 for a paged cache XLA gathers, 1 for the kernel or a
     contiguous cache).
     Times are per step of the whole batch (dims.batch requests)."""
-    wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned)
+    wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned, pallas)
     speculative = kind > 0
     k = jnp.where(speculative, k, 0)
     # a tree of N drafted nodes: one verify over N + 1 tokens; its acceptance profile is per depth,
@@ -250,9 +255,10 @@ _COMPILED: dict = {}
 
 def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
             tuned=None, tree_nodes=None, budget=None, packed=None, steps_per_call=None,
-            two_level_k1=None, kv_passes=None) -> dict:
+            two_level_k1=None, kv_passes=None, pallas=None) -> dict:
     """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
-    bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); tree_nodes
+    bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); pallas [C]
+    (default: XLA GEMMs); tree_nodes
     [C] (default 0: chains)
     -> dict of [C] / [C, 4] arrays. One jit(vmap) per (model, device); thousands of candidates
     cost one call."""
@@ -261,6 +267,7 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     bytes_factor = np.ones((c, groups)) if bytes_factor is None else bytes_factor
     lh12 = np.zeros((c, groups)) if lh12 is None else lh12
     tuned = np.zeros(c) if tuned is None else tuned
+    pallas = np.zeros(c) if pallas is None else pallas
     tree_nodes = np.zeros(c) if tree_nodes is None else tree_nodes
     serving = [np.zeros(c) if x is None else x for x in (budget, packed, steps_per_call, two_level_k1)]
     serving.append(np.ones(c) if kv_passes is None else kv_passes)
@@ -269,7 +276,8 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),
                                jnp.asarray(layers, jnp.float32), jnp.asarray(alpha, jnp.float32),
                                jnp.asarray(bytes_factor, jnp.float32), jnp.asarray(lh12, jnp.float32),
-                               jnp.asarray(tuned, jnp.float32), jnp.asarray(tree_nodes, jnp.float32),
+                               jnp.asarray(tuned, jnp.float32), jnp.asarray(pallas, jnp.float32),
+                               jnp.asarray(tree_nodes, jnp.float32),
                                *(jnp.asarray(x, jnp.float32) for x in serving))
     return jax.tree.map(np.asarray, out)
 

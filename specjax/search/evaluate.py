@@ -32,7 +32,7 @@ from specjax.models.loading import LoadedModel
 from specjax.search.registry import DRAFTER_KINDS, REGISTRY, WEIGHT_GROUPS, drafter_variant, pilot_k
 
 STOCK_ENGINE = {"weights_format": {g: "bf16" for g in WEIGHT_GROUPS}, "kernel_tiles": "default", "tree": None,
-                "serving": None}
+                "serving": None, "kernels": "xla"}
 
 
 @dataclasses.dataclass
@@ -78,7 +78,7 @@ def candidate_arrays(configs: list[dict], profiles: dict[str, np.ndarray]):
 def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Configs -> every per-candidate array of `predict` (keyword arguments): the drafter's
     (k, kind, layers, alpha), per weight group the bytes factor and LH12 flag [C, 3], and the
-    tuned-tiles flag [C]."""
+    tuned-tiles and Pallas-kernels flags [C]."""
     k, kind, layers, alpha = candidate_arrays(configs, profiles)
     feats = [REGISTRY.features(c) for c in configs]
     return dict(k=k, kind=kind, layers=layers, alpha=alpha,
@@ -86,6 +86,7 @@ def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[st
                 bytes_factor=np.array([[f[f"weights_{g}_bytes"] for g in WEIGHT_GROUPS] for f in feats]),
                 lh12=np.array([[f[f"weights_{g}_lh12"] for g in WEIGHT_GROUPS] for f in feats]),
                 tuned=np.array([f["kernels_tuned"] for f in feats]),
+                pallas=np.array([f["kernels_pallas"] for f in feats]),
                 budget=np.array([f["serving_budget"] for f in feats]),
                 packed=np.array([f["serving_packed"] for f in feats]),
                 steps_per_call=np.array([f["serving_steps"] for f in feats]),

@@ -260,16 +260,42 @@ REGISTRY.register(Mechanism(
 
 KERNEL_TILES = ("default", "tuned")
 
+KERNEL_BACKENDS = ("xla", "pallas")
+
+
+def kernels_on_pallas(config: dict) -> bool:
+    """Whether a config runs the target's GEMMs on our Pallas skinny GEMMs: asked for outright, or
+    implied by 12-bit weights or tuned tiles (only the kernels read those)."""
+    return (config.get("kernels.backend", "xla") == "pallas"
+            or config.get("kernels.tiles", "default") != "default"
+            or any(fmt != "bf16" for fmt in _weights_format(config).values()))
+
+
+def _kernels_backend(config: dict) -> str:
+    """The engine's `kernels` argument: "pallas" on a GPU when the config needs the kernels; else
+    XLA, also on a CPU, where the kernels' interpret mode is for tests and gives the same numbers
+    (so a CPU search of this knob measures XLA under the cost model's Pallas price)."""
+    if not kernels_on_pallas(config):
+        return "xla"
+    import jax
+    return "pallas" if jax.devices()[0].platform == "gpu" else "xla"
+
+
 REGISTRY.register(Mechanism(
     name="kernels",
     params=(ParamDef("kernels.tiles", "categorical", KERNEL_TILES, default="default",
                      doc="skinny GEMM tiles: GemmConfig() or the per-device tuned ones "
                          "(specjax tune-kernels, memory_store/kernels/)",
-                     components=("verify", "draft")),),
+                     components=("verify", "draft")),
+            ParamDef("kernels.backend", "categorical", KERNEL_BACKENDS, default="xla",
+                     doc="the target's GEMMs: XLA's, or our Pallas skinny GEMMs (on a GPU their verify "
+                         "steps round exactly as AR steps do; 12-bit weights and tuned tiles need them)",
+                     components=("verify", "draft"))),
     component="verify",
-    features=lambda c: {"kernels_tuned": float(c.get("kernels.tiles", "default") == "tuned")},
-    apply=lambda c: {"kernel_tiles": c.get("kernels.tiles", "default")},
-    doc="which tile configs the GPU skinny GEMMs run with",
+    features=lambda c: {"kernels_tuned": float(c.get("kernels.tiles", "default") == "tuned"),
+                        "kernels_pallas": float(kernels_on_pallas(c))},
+    apply=lambda c: {"kernel_tiles": c.get("kernels.tiles", "default"), "kernels": _kernels_backend(c)},
+    doc="which GEMMs the target runs (XLA or our Pallas kernels) and with which tile configs",
 ))
 
 # ----------------------------------------------------------------------------- batching (serving)
