@@ -28,8 +28,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--deadline-s", type=float,
                    help="start no (set, batch) unit after this many seconds; the report lists those skipped")
     b.add_argument("--resume", metavar="BENCH_JSON",
-                   help="run only the (set, batch) units a partial bench.json of the same config lists as "
-                        "skipped, and write it joined with them to --out (a run split over device calls)")
+                   help="run only the (set, batch) units a partial bench.json of the same config has no rows "
+                        "for, and write it joined with them to --out (a run split over device calls)")
     b.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="merge bench.json files of one config run in parts (by sets) into --out, and stop")
     b.set_defaults(func=cmd_bench)
@@ -90,9 +90,11 @@ def cmd_bench(args) -> int:
     if args.resume:
         from specjax.atomic import read_json_checked
         previous = read_json_checked(args.resume)
-        only = set(previous.get("skipped", []))
+        # every unit without rows: the ones its deadline skipped, and one a time limit cut off
+        done = {f"{r['set']} B={r['batch']}" for r in previous.get("rows", [])}
+        only = {f"{n} B={b}" for n, _ in cfg.sets for b in cfg.batch_sizes} - done
         if not only:
-            raise ConfigError(f"--resume {args.resume}: that run skipped nothing; there is nothing to resume")
+            raise ConfigError(f"--resume {args.resume}: every unit of that run has rows; there is nothing to resume")
     exported = read_prompt_file(args.prompts_from) if args.prompts_from else None
     commit = _commit()  # the code that runs: read before the run, which can outlast a commit
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
