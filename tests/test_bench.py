@@ -5,6 +5,8 @@ runs end to end on SmolLM2."""
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 
 import jax
@@ -172,6 +174,7 @@ def test_resume_runs_only_the_skipped_units():
                         batch_sizes=(1, 2), methods=(Method("ngram", "ngram", 3),), batch1_prompts=1)
     first = protocol.run_bench(model, bench, progress=lambda s: None, only_units={"humaneval B=1"})
     first["skipped"] = ["humaneval B=2", "pydoc B=1", "pydoc B=2"]  # as a deadline would list them
+    first = json.loads(json.dumps(first))  # read back from its file: tuples come back as lists
     rest = protocol.run_bench(model, bench, progress=lambda s: None, only_units=set(first["skipped"]))
     assert {(r["set"], r["batch"]) for r in rest["rows"]} == {("humaneval", 2), ("pydoc", 1), ("pydoc", 2)}
     joined = protocol.resume_result(first, rest)

@@ -154,9 +154,10 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
 def resume_result(previous: dict, resumed: dict) -> dict:
     """A partial result and the run of its skipped units (same config) -> one result: the rows of
     both, in the config's order of sets; skipped what the second run still skipped."""
-    if previous["config"] != resumed["config"]:
-        diff = sorted(k for k in previous["config"].keys() | resumed["config"].keys()
-                      if previous["config"].get(k) != resumed["config"].get(k))
+    import json
+    before, now = (json.loads(json.dumps(r["config"])) for r in (previous, resumed))  # tuples read back as lists
+    if before != now:
+        diff = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         raise ValueError(f"the resumed run has another config (fields {', '.join(diff)})")
     order = {name: i for i, name in enumerate(previous["sets"])}
     rows = sorted(previous["rows"] + resumed["rows"], key=lambda r: order.get(r["set"], len(order)))
