@@ -5,9 +5,8 @@ runs end to end on SmolLM2."""
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 
 import jax
 import pytest
