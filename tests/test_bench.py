@@ -181,3 +181,28 @@ def test_resume_runs_only_the_skipped_units():
     assert units == [("humaneval", 1), ("humaneval", 2), ("pydoc", 1), ("pydoc", 2)] and joined["skipped"] == []
     with pytest.raises(ValueError, match="fields repeats"):
         protocol.resume_result(first, dict(rest, config=dict(rest["config"], repeats=2)))
+
+
+def test_decoders_are_reused_across_sets(monkeypatch):
+    """One decoder per (method, batch size) for the whole run, every batch of a set padded to one
+    prompt bucket: a second set of the same bucket compiles nothing new (on a GPU the compiles,
+    not the runs, are what a bench call spends its time on)."""
+    cfg, params = tiny_model(seed=5)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    made = []
+
+    def counted(*a, **kw):
+        made.append(protocol.make_decoder_uncounted(*a, **kw))
+        return made[-1]
+    monkeypatch.setattr(protocol, "make_decoder_uncounted", protocol.make_decoder, raising=False)
+    monkeypatch.setattr(protocol, "make_decoder", counted)
+    bench = BenchConfig(deployment="t", sets=(("humaneval", 3),), max_new_tokens=5, repeats=1,
+                        batch_sizes=(1, 2), methods=(Method("ngram", "ngram", 3),))
+    protocol.run_bench(model, bench, progress=lambda s: None)
+    one_set = (len(made), sum(len(d._compiled) for d in made))
+    made.clear()
+    result = protocol.run_bench(model, dataclasses.replace(bench, sets=(("humaneval", 3), ("pydoc", 3))),
+                                progress=lambda s: None)
+    assert (len(made), sum(len(d._compiled) for d in made)) == one_set == (4, one_set[1])
+    assert {r["set"] for r in result["rows"]} == {"humaneval", "pydoc"}
+    assert all(r["equal_to_ar"] == r["prompts"] for r in result["rows"])

@@ -11,7 +11,7 @@ from typing import Callable
 
 from specjax.bench.config import BenchConfig, Method
 from specjax.bench.prompt_sets import PROMPT_SETS, load_set
-from specjax.decoding.sequences import GenerationConfig
+from specjax.decoding.sequences import GenerationConfig, prompt_bucket
 from specjax.engine import Decoder, GenerationResult, pooled_tau
 from specjax.forcing import check_token_forcing
 
@@ -78,24 +78,46 @@ def _row(set_name, batch, name, rates, results, ar_tokens, ar_rate, lossless, sp
                generated=sum(r.num_generated for r in results), note=note)
 
 
+class DecoderCache:
+    """One Decoder per (method, batch size), reused over the prompt sets: a decoder keeps its
+    compiled executables, so a set whose prompt bucket an earlier set had compiles nothing new
+    (on a GPU, compiling a decode loop over Pallas kernels costs far more than running it)."""
+
+    def __init__(self, model, cfg: BenchConfig):
+        self.model, self.cfg, self._decoders = model, cfg, {}
+        self.gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)  # no stop tokens: equal work per method
+
+    def get(self, method: Method, batch: int, prompt_bucket: int) -> Decoder:
+        key = (method.name, batch)
+        if key not in self._decoders:
+            self._decoders[key] = make_decoder(self.model, method, self.gen, self.cfg.kernels)
+        dec = self._decoders[key]
+        dec.min_prompt_bucket = prompt_bucket
+        return dec
+
+
 def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
             progress: Callable[[str], None] = print, peers: dict | None = None,
-            exported: dict[str, list[str]] | None = None) -> list[Row]:
-    """All methods (and peers, at batch 1) on one prompt set at one batch size."""
+            exported: dict[str, list[str]] | None = None, decoders: DecoderCache | None = None) -> list[Row]:
+    """All methods (and peers, at batch 1) on one prompt set at one batch size. Every batch of
+    the set is padded to the bucket of its longest prompt: one compiled shape per set and method."""
     if batch == 1 and cfg.batch1_prompts:
         n = min(n, cfg.batch1_prompts)
     texts = load_set(set_name, n, exported)
     prompts = [model.tokenizer.encode(t) for t in texts]
     batches = chunks(prompts, batch)
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)  # no stop tokens: equal work per method
-    ar = make_decoder(model, Method("ar"), gen, cfg.kernels)
+    bucket = prompt_bucket(max(len(p) for p in prompts))
+    decoders = decoders or DecoderCache(model, cfg)
+    t0 = time.perf_counter()
+    ar = decoders.get(Method("ar"), batch, bucket)
     rates, ar_results = timed_runs(ar, batches, cfg.repeats)
     ar_tokens = [t for r in ar_results for t in r.tokens]
     ar_rate = statistics.median(rates)
     rows = [_row(set_name, batch, "ar", rates, ar_results, ar_tokens, ar_rate, None, False)]
-    progress(f"{set_name} B={batch} ar: {ar_rate:.1f} tok/s")
+    progress(f"{set_name} B={batch} ar: {ar_rate:.1f} tok/s ({time.perf_counter() - t0:.0f} s, prompt bucket {bucket})")
     for method in cfg.methods:
-        dec = make_decoder(model, method, gen, cfg.kernels)
+        t0 = time.perf_counter()
+        dec = decoders.get(method, batch, bucket)
         if dec.drafter is None:  # AR with other kernels or 12-bit weights: nothing to force
             lossless, note = None, "AR variant: tokens equal to the reference AR counted"
         else:
@@ -108,7 +130,8 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
                          dec.drafter is not None, note))
         r = rows[-1]
         progress(f"{set_name} B={batch} {method.name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 1:.2f}, "
-                 f"{ {True: 'lossless', False: 'NOT LOSSLESS', None: 'AR variant'}[lossless]}")
+                 f"{ {True: 'lossless', False: 'NOT LOSSLESS', None: 'AR variant'}[lossless]} "
+                 f"({time.perf_counter() - t0:.0f} s)")
     if batch == 1 and peers:
         for name, peer in peers.items():
             rates, tokens = peer.timed(prompts, cfg.max_new_tokens, cfg.peer_repeats or cfg.repeats)
@@ -136,6 +159,7 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               "sets": {name: {k: v for k, v in dataclasses.asdict(PROMPT_SETS[name]).items() if k != "load"}
                        for name, _ in cfg.sets},
               "rows": [], "skipped": []}
+    decoders = DecoderCache(model, cfg)
     for set_name, n in cfg.sets:
         for batch in cfg.batch_sizes:
             if only_units is not None and f"{set_name} B={batch}" not in only_units:
@@ -144,7 +168,7 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
                 result["skipped"].append(f"{set_name} B={batch}")
                 progress(f"deadline: skipping {set_name} B={batch}")
                 continue
-            rows = run_set(model, cfg, set_name, n, batch, progress, peers, exported)
+            rows = run_set(model, cfg, set_name, n, batch, progress, peers, exported, decoders)
             result["rows"] += [dataclasses.asdict(r) for r in rows]
             if partial is not None:
                 partial(result)
