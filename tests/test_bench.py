@@ -48,6 +48,7 @@ def test_five_prompt_sets_load_with_provenance():
     ({"deployment": "x", "kernels": "cuda"}, "kernels: expected one of auto, xla, pallas, interpret"),
     ({"deployment": "x", "methods": [{"name": "a", "kernels": "tpu"}]}, r"methods\[0\]\.kernels: expected one of"),
     ({"deployment": "x", "batch1_prompts": 0}, r"batch1_prompts: expected an integer >= 1"),
+    ({"deployment": "x", "matmul_precision": "tf32"}, "matmul_precision: expected one of default, high, highest"),
 ])
 def test_bad_configs_name_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):

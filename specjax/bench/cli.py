@@ -99,6 +99,9 @@ def cmd_bench(args) -> int:
     commit = _commit()  # the code that runs: read before the run, which can outlast a commit
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": commit}
+    if cfg.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", cfg.matmul_precision)
+    meta["matmul_precision"] = jax.config.jax_default_matmul_precision
     model = load_model(cfg.model, cfg.dtype)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
 

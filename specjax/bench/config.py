@@ -44,6 +44,12 @@ class BenchConfig:
     kernels: str = "auto"
     batch1_prompts: int | None = None  # batch 1 uses the first N of each set (None: all of them)
     peer_repeats: int | None = None  # repeats of the transformers peers (None: repeats)
+    # float32 matmuls: "highest" keeps them float32 on a GPU (JAX's default there may round the
+    # inputs to TF32, whose noise is far above the forcing gate's near-tie tolerance)
+    matmul_precision: str | None = None
+
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 def _fail(where: str, msg: str):
@@ -79,6 +85,11 @@ def bench_config_from_dict(raw: dict, where: str = "bench config") -> BenchConfi
     for key in ("model", "dtype", "kernels"):
         if key in raw:
             kw[key] = str(raw[key])
+    if raw.get("matmul_precision") is not None:
+        if raw["matmul_precision"] not in MATMUL_PRECISIONS:
+            _fail(f"{where}: matmul_precision",
+                  f"expected one of {', '.join(MATMUL_PRECISIONS)}, got {raw['matmul_precision']!r}")
+        kw["matmul_precision"] = raw["matmul_precision"]
     if kw.get("kernels", "auto") not in KERNELS:
         _fail(f"{where}: kernels", f"expected one of {', '.join(KERNELS)}, got {kw['kernels']!r}")
     if "sets" in raw:
