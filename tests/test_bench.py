@@ -167,19 +167,19 @@ def test_deadline_skips_units_and_parts_merge():
 
 def test_resume_runs_only_the_skipped_units():
     """A run cut short by its deadline, resumed: only the skipped units run, and the joined result
-    holds every unit once, in the config's order; a resume under another config is refused."""
+    holds every unit once, in the config's order (not the sorted order its file keeps); a resume under another config is refused."""
     cfg, params = tiny_model(seed=4)
     model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
-    bench = BenchConfig(deployment="t", sets=(("humaneval", 2), ("pydoc", 2)), max_new_tokens=5, repeats=1,
+    bench = BenchConfig(deployment="t", sets=(("pydoc", 2), ("humaneval", 2)), max_new_tokens=5, repeats=1,
                         batch_sizes=(1, 2), methods=(Method("ngram", "ngram", 3),), batch1_prompts=1)
-    first = protocol.run_bench(model, bench, progress=lambda s: None, only_units={"humaneval B=1"})
-    first["skipped"] = ["humaneval B=2", "pydoc B=1", "pydoc B=2"]  # as a deadline would list them
-    first = json.loads(json.dumps(first))  # read back from its file: tuples come back as lists
+    first = protocol.run_bench(model, bench, progress=lambda s: None, only_units={"pydoc B=1"})
+    first["skipped"] = ["pydoc B=2", "humaneval B=1", "humaneval B=2"]  # as a deadline would list them
+    first = json.loads(json.dumps(first, sort_keys=True))  # read back from its file: tuples as lists, keys sorted
     rest = protocol.run_bench(model, bench, progress=lambda s: None, only_units=set(first["skipped"]))
-    assert {(r["set"], r["batch"]) for r in rest["rows"]} == {("humaneval", 2), ("pydoc", 1), ("pydoc", 2)}
+    assert {(r["set"], r["batch"]) for r in rest["rows"]} == {("pydoc", 2), ("humaneval", 1), ("humaneval", 2)}
     joined = protocol.resume_result(first, rest)
     units = [(r["set"], r["batch"]) for r in joined["rows"] if r["method"] == "ar"]
-    assert units == [("humaneval", 1), ("humaneval", 2), ("pydoc", 1), ("pydoc", 2)] and joined["skipped"] == []
+    assert units == [("pydoc", 1), ("pydoc", 2), ("humaneval", 1), ("humaneval", 2)] and joined["skipped"] == []
     with pytest.raises(ValueError, match="fields repeats"):
         protocol.resume_result(first, dict(rest, config=dict(rest["config"], repeats=2)))
 

@@ -183,10 +183,11 @@ def resume_result(previous: dict, resumed: dict) -> dict:
     if before != now:
         diff = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         raise ValueError(f"the resumed run has another config (fields {', '.join(diff)})")
-    order = {name: i for i, name in enumerate(previous["sets"])}
-    rows = sorted(previous["rows"] + resumed["rows"], key=lambda r: order.get(r["set"], len(order)))
+    from specjax.bench.report import in_config_order
     meta = dict(previous.get("meta", {}), parts=[previous.get("meta", {}), resumed.get("meta", {})])
-    return dict(previous, rows=rows, skipped=list(resumed.get("skipped", [])), meta=meta)
+    return in_config_order(dict(previous, rows=previous["rows"] + resumed["rows"],
+                                sets={**previous["sets"], **resumed["sets"]},
+                                skipped=list(resumed.get("skipped", [])), meta=meta))
 
 
 def merge_results(results: list[dict]) -> dict:

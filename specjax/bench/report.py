@@ -8,7 +8,17 @@ from pathlib import Path
 from specjax.atomic import write_bytes_atomic, write_json_atomic
 
 
+def in_config_order(result: dict) -> dict:
+    """Rows and prompt sets in the config's order of sets (a checksummed JSON stores its mappings
+    with sorted keys, so a result read back lists its sets alphabetically)."""
+    order = {name: i for i, (name, _) in enumerate(result["config"]["sets"])}
+    rank = lambda name: order.get(name, len(order))  # noqa: E731
+    return dict(result, rows=sorted(result["rows"], key=lambda r: rank(r["set"])),
+                sets=dict(sorted(result["sets"].items(), key=lambda kv: rank(kv[0]))))
+
+
 def markdown(result: dict) -> str:
+    result = in_config_order(result)
     meta = result.get("meta", {})
     cfg = result["config"]
     lines = [f"# specjax bench: {cfg['deployment']}", "",
@@ -47,6 +57,7 @@ def plot(result: dict, path: Path) -> None:
 
     if not result["rows"]:
         return
+    result = in_config_order(result)
     rows = [r for r in result["rows"] if r["batch"] == min(x["batch"] for x in result["rows"])]
     sets = list(dict.fromkeys(r["set"] for r in rows))
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "ar"]
