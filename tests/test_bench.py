@@ -207,3 +207,44 @@ def test_decoders_are_reused_across_sets(monkeypatch):
     assert (len(made), sum(len(d._compiled) for d in made)) == one_set == (4, one_set[1])
     assert {r["set"] for r in result["rows"]} == {"humaneval", "pydoc"}
     assert all(r["equal_to_ar"] == r["prompts"] for r in result["rows"])
+
+
+def _record(target: str, hardware: str, k: int, speedup: float):
+    from specjax.memory.store import MemoryRecord
+    return MemoryRecord(
+        spec_name="t", deployment={"target": target, "hardware": hardware, "batch": 1, "prompts": "p",
+                                   "max_new_tokens": 8, "sampling": "greedy", "weight_format": "float32"},
+        config={"drafter.kind": "ngram", "drafter.k": k, "drafter.ngram_max_n": 3}, config_delta={"drafter.k": k},
+        measured={"tokens_per_s": 10.0 * speedup, "speedup": speedup, "runs": 3, "device": hardware},
+        predicted={"tokens_per_s": 10.0, "speedup": 1.0},
+        forcing={"checked": 8, "expected": 8, "failures": 0, "near_ties": 0, "tolerance": 1e-3},
+        git_commit="abc1234", device=hardware, created="2026-12-01T00:00:00Z")
+
+
+def test_memory_method_runs_the_best_matching_record(tmp_path):
+    """A `memory` method benches the searched config: the validated record of the best measured
+    speedup whose deployment matches (another hardware's better record is not taken), gated by
+    token forcing like any method; no matching record is a clear error."""
+    from specjax.memory.store import MemoryStore
+    cfg, params = tiny_model(seed=6)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    store = MemoryStore(tmp_path / "mem")
+    store.put(_record("tiny", "cpu", 3, 1.2))
+    best = store.put(_record("tiny", "cpu", 5, 1.4))
+    store.put(_record("tiny", "h200", 9, 2.5))
+    store.put(_record("other", "cpu", 7, 3.0))
+    raw = {"deployment": "t", "model": "tiny", "sets": {"humaneval": 2}, "max_new_tokens": 6, "repeats": 1,
+           "batch_sizes": [1],
+           "methods": [{"name": "searched", "memory": {"hardware": "cpu"}}]}
+    bench = bench_config_from_dict(raw)
+    result = protocol.run_bench(model, bench, progress=lambda s: None, store=store)
+    row = next(r for r in result["rows"] if r["method"] == "searched")
+    assert row["lossless"] is True and row["equal_to_ar"] == 2 and best.record_id in row["note"]
+    assert result["searched"]["searched"]["config"]["drafter.k"] == 5
+    assert f"memory record {best.record_id}" in markdown(dict(result, meta={}))
+    with pytest.raises(ConfigError, match="method searched: the memory store .* no validated record with "
+                                          "hardware=tpu, target=tiny"):
+        protocol.run_bench(model, bench_config_from_dict({**raw, "methods": [
+            {"name": "searched", "memory": {"hardware": "tpu"}}]}), progress=lambda s: None, store=store)
+    with pytest.raises(ConfigError, match=r"methods\[0\]: a memory method takes its mechanisms from the record; drop k"):
+        bench_config_from_dict({**raw, "methods": [{"name": "s", "memory": {"hardware": "cpu"}, "k": 3}]})

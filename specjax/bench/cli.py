@@ -32,6 +32,8 @@ def add_bench_parser(sub) -> None:
                         "for, and write it joined with them to --out (a run split over device calls)")
     b.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="merge bench.json files of one config run in parts (by sets) into --out, and stop")
+    b.add_argument("--memory", default="memory_store",
+                   help="memory store the config's memory methods (searched configs) read their records from")
     b.set_defaults(func=cmd_bench)
 
 
@@ -113,8 +115,10 @@ def cmd_bench(args) -> int:
             return resume_result(previous, r)
         except ValueError as e:
             raise ConfigError(f"--resume {args.resume}: {e}") from None
+    from specjax.memory.store import MemoryStore
     result = run_bench(model, cfg, progress=lambda s: print(s, flush=True), exported=exported, deadline=deadline,
-                       partial=lambda r: write_report(joined(r), args.out), only_units=only)
+                       partial=lambda r: write_report(joined(r), args.out), only_units=only,
+                       store=MemoryStore(args.memory))
     result = joined(result)
     paths = write_report(result, args.out)
     print("\n" + markdown(result))

@@ -26,6 +26,9 @@ class Method:
     tree: int | None = None
     weights: str = "bf16"  # "lh12": the 12-bit format (kernels run it; XLA reads it decoded)
     kernels: str | None = None  # None: the config's; "pallas": our GEMM kernels (12-bit needs them to pay)
+    # the searched config: the best validated record of the memory store whose deployment has these
+    # fields (and the bench's model as its target), e.g. (("hardware", "h200"), ("batch", 1))
+    memory: tuple[tuple[str, str | int], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,8 @@ def _method(where: str, m) -> Method:
     extra = set(m) - {f.name for f in dataclasses.fields(Method)}
     if extra:
         _fail(where, f"unknown field(s) {', '.join(sorted(extra))}")
+    if m.get("memory") is not None:
+        return _memory_method(where, m)
     drafter = m.get("drafter")
     k = m.get("k", 0 if drafter is None else None)
     if drafter is not None and k is None:
@@ -151,3 +156,19 @@ def _method(where: str, m) -> Method:
     if kernels not in (None, *KERNELS):
         _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
     return Method(str(m["name"]), drafter, int(k or 0), tree, weights, kernels)
+
+
+def _memory_method(where: str, m: dict) -> Method:
+    fields = m["memory"]
+    if not isinstance(fields, dict) or not fields:
+        _fail(f"{where}.memory", "expected a mapping of deployment fields (hardware, batch, ...) to match")
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            _fail(f"{where}.memory.{key}", f"expected a string or an integer, got {value!r}")
+    mixed = sorted(set(m) - {"name", "memory", "kernels"})
+    if mixed:
+        _fail(where, f"a memory method takes its mechanisms from the record; drop {', '.join(mixed)}")
+    kernels = m.get("kernels")
+    if kernels not in (None, *KERNELS):
+        _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
+    return Method(str(m["name"]), kernels=kernels, memory=tuple(sorted(fields.items())))

@@ -13,6 +13,7 @@ from specjax.bench.config import BenchConfig, Method
 from specjax.bench.prompt_sets import PROMPT_SETS, load_set
 from specjax.decoding.sequences import GenerationConfig, prompt_bucket
 from specjax.engine import Decoder, GenerationResult, pooled_tau
+from specjax.errors import ConfigError
 from specjax.forcing import check_token_forcing
 
 WEIGHT_GROUPS = ("attn", "mlp", "head")
@@ -68,6 +69,41 @@ def make_decoder(model, method: Method, gen: GenerationConfig, kernels: str) -> 
     return Decoder(model.cfg, model.params, gen, drafter, weights_format=fmt, kernels=kernels, tree=tree)
 
 
+def searched_records(cfg: BenchConfig, store) -> dict[str, object]:
+    """Each memory method's record: the validated record with the best measured speedup among
+    those whose deployment has the method's fields and the bench's model as target."""
+    out = {}
+    for m in cfg.methods:
+        if m.memory is None:
+            continue
+        want = dict(m.memory, target=cfg.model)
+        found = [r for r in store.records()[0]
+                 if all(r.deployment.get(k) == v and isinstance(r.deployment.get(k), bool) == isinstance(v, bool)
+                        for k, v in want.items())]
+        if not found:
+            fields = ", ".join(f"{k}={v}" for k, v in sorted(want.items()))
+            raise ConfigError(f"method {m.name}: the memory store {store.root} has no validated record "
+                              f"with {fields} (run `specjax search` for that deployment, or "
+                              f"`specjax memory list` to see what it holds)")
+        out[m.name] = max(found, key=lambda r: (r.measured["speedup"], r.created, r.record_id))
+    return out
+
+
+def searched_decoder(model, config: dict, gen: GenerationConfig, kernels: str) -> Decoder:
+    """A searched mechanism config (registry names, as a memory record keeps it) -> its Decoder."""
+    from specjax.drafters.factory import make_drafter
+    from specjax.search.evaluate import engine_changes
+    from specjax.search.registry import REGISTRY
+    kw = REGISTRY.apply(config)
+    changes = engine_changes(config)
+    if "serving" in changes:
+        raise NotImplementedError("a searched batching (serving) config runs in the serving engine, which "
+                                  "`specjax bench` does not drive yet; pick a record with chain/tree mechanisms")
+    changes.setdefault("kernels", kernels)
+    drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], model, kw["k"])
+    return Decoder(model.cfg, model.params, gen, drafter, **changes)
+
+
 def _row(set_name, batch, name, rates, results, ar_tokens, ar_rate, lossless, speculative, note=""):
     tokens = [t for r in results for t in r.tokens]
     med = statistics.median(rates)
@@ -83,13 +119,17 @@ class DecoderCache:
     compiled executables, so a set whose prompt bucket an earlier set had compiles nothing new
     (on a GPU, compiling a decode loop over Pallas kernels costs far more than running it)."""
 
-    def __init__(self, model, cfg: BenchConfig):
+    def __init__(self, model, cfg: BenchConfig, searched: dict | None = None):
         self.model, self.cfg, self._decoders = model, cfg, {}
+        self.searched = searched or {}  # memory method name -> its record
         self.gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens)  # no stop tokens: equal work per method
 
     def get(self, method: Method, batch: int, prompt_bucket: int) -> Decoder:
         key = (method.name, batch)
-        if key not in self._decoders:
+        if key not in self._decoders and method.memory is not None:
+            self._decoders[key] = searched_decoder(self.model, self.searched[method.name].config, self.gen,
+                                                   method.kernels or self.cfg.kernels)
+        elif key not in self._decoders:
             self._decoders[key] = make_decoder(self.model, method, self.gen, self.cfg.kernels)
         dec = self._decoders[key]
         dec.min_prompt_bucket = prompt_bucket
@@ -125,6 +165,9 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
             lossless = all(r.passed for r in reports)
             note = "" if lossless else "FAILED token forcing: " + "; ".join(
                 r.summary() for r in reports if not r.passed)
+        if method.memory is not None:
+            record = decoders.searched[method.name].record_id
+            note = f"searched config: memory record {record}" + (f"; {note}" if note else "")
         rates, results = timed_runs(dec, batches, cfg.repeats)
         rows.append(_row(set_name, batch, method.name, rates, results, ar_tokens, ar_rate, lossless,
                          dec.drafter is not None, note))
@@ -146,11 +189,18 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
 
 def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               exported: dict[str, list[str]] | None = None, deadline: float | None = None,
-              partial: Callable[[dict], None] | None = None, only_units: set[str] | None = None) -> dict:
+              partial: Callable[[dict], None] | None = None, only_units: set[str] | None = None,
+              store=None) -> dict:
     """Every (set, batch size) of the config in order. deadline (time.monotonic()): units not
     started by then are listed under "skipped"; partial(result) after each unit (so a run cut
     short keeps what it measured). only_units: run just these ("humaneval B=32", the form
-    "skipped" lists), for resuming a run cut short."""
+    "skipped" lists), for resuming a run cut short. store: the MemoryStore memory methods (the
+    searched configs) read their records from."""
+    searched = {}
+    if any(m.memory is not None for m in cfg.methods):
+        if store is None:
+            raise ConfigError("this bench config has memory methods: give run_bench a memory store")
+        searched = searched_records(cfg, store)
     peers = {}
     if cfg.peers:
         from specjax.bench.peer import make_peers
@@ -159,7 +209,11 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               "sets": {name: {k: v for k, v in dataclasses.asdict(PROMPT_SETS[name]).items() if k != "load"}
                        for name, _ in cfg.sets},
               "rows": [], "skipped": []}
-    decoders = DecoderCache(model, cfg)
+    if searched:  # what each searched method ran: its record and mechanisms
+        result["searched"] = {name: {"record_id": r.record_id, "config": r.config, "deployment": r.deployment,
+                                     "measured": r.measured, "device": r.device}
+                              for name, r in searched.items()}
+    decoders = DecoderCache(model, cfg, searched)
     for set_name, n in cfg.sets:
         for batch in cfg.batch_sizes:
             if only_units is not None and f"{set_name} B={batch}" not in only_units:

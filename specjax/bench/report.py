@@ -38,6 +38,10 @@ def markdown(result: dict) -> str:
     lines += ["", "Prompt sets:", ""]
     for name, s in result["sets"].items():
         lines.append(f"- {name} ({s['category']}): {s['source']}; license: {s['license']}")
+    for name, rec in result.get("searched", {}).items():
+        mechanisms = ", ".join(f"{k}={v}" for k, v in sorted(rec["config"].items()))
+        lines.append(f"- {name}: memory record {rec['record_id']} ({mechanisms}), measured "
+                     f"{rec['measured']['speedup']:.2f}x on {rec['device']} when it was searched")
     if cfg.get("batch1_prompts"):
         lines += ["", f"Batch 1 runs the first {cfg['batch1_prompts']} prompts of each set; larger batches all of them."]
     if result.get("skipped"):
