@@ -248,3 +248,14 @@ def test_memory_method_runs_the_best_matching_record(tmp_path):
             {"name": "searched", "memory": {"hardware": "tpu"}}]}), progress=lambda s: None, store=store)
     with pytest.raises(ConfigError, match=r"methods\[0\]: a memory method takes its mechanisms from the record; drop k"):
         bench_config_from_dict({**raw, "methods": [{"name": "s", "memory": {"hardware": "cpu"}, "k": 3}]})
+
+
+def test_command_line_overrides_keep_every_method():
+    """--sets/--prompts re-validate the config from its fields: every shipped method, a memory
+    method included, must come back unchanged."""
+    from specjax.bench.cli import _method_as_yaml
+    from specjax.bench.config import _method
+    for path in ("benchmarks/bench_h200_fp32.yaml", "benchmarks/bench_h200_bf16.yaml", "benchmarks/bench_cpu.yaml"):
+        cfg = load_bench_config(path)
+        assert tuple(_method(path, _method_as_yaml(m)) for m in cfg.methods) == cfg.methods
+        assert any(m.memory for m in cfg.methods) or path.endswith("cpu.yaml")

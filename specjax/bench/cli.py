@@ -47,6 +47,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def _method_as_yaml(m) -> dict:
+    """A Method as its YAML mapping: the name and every field set away from its default."""
+    out = {"name": m.name}
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if f.name != "name" and value != f.default:
+            out[f.name] = dict(value) if f.name == "memory" else value
+    return out
+
+
 def cmd_bench(args) -> int:
     import jax
 
@@ -80,8 +90,7 @@ def cmd_bench(args) -> int:
         overrides["peers"] = [] if args.peers == "none" else args.peers.split(",")
     if overrides:  # re-validated as a whole, so an override gets the same field-named errors
         raw = dataclasses.asdict(cfg)
-        raw["sets"], raw["methods"] = dict(cfg.sets), [
-            {k: v for k, v in dataclasses.asdict(m).items() if v is not None} for m in cfg.methods]
+        raw["sets"], raw["methods"] = dict(cfg.sets), [_method_as_yaml(m) for m in cfg.methods]
         raw["batch_sizes"], raw["peers"] = list(cfg.batch_sizes), list(cfg.peers)
         cfg = bench_config_from_dict({**raw, **overrides}, "command line")
     if args.export_prompts:
