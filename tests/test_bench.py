@@ -259,3 +259,17 @@ def test_command_line_overrides_keep_every_method():
         cfg = load_bench_config(path)
         assert tuple(_method(path, _method_as_yaml(m)) for m in cfg.methods) == cfg.methods
         assert any(m.memory for m in cfg.methods) or path.endswith("cpu.yaml")
+
+
+def test_finish_by_skips_a_unit_that_would_overrun():
+    """--finish-by-s: a unit is skipped when the last unit of its batch size would end past the
+    limit, and a later, cheaper unit still runs (the skipped one is left for --resume)."""
+    cfg, params = tiny_model(seed=7)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    bench = BenchConfig(deployment="t", sets=(("humaneval", 2), ("pydoc", 2)), max_new_tokens=4, repeats=1,
+                        batch_sizes=(1, 2), methods=(), batch1_prompts=1)
+    # unit starts and ends: humaneval B=1 0-100, B=2 100-150, pydoc B=1 would need 100 from 150, B=2 160-200
+    ticks = iter([0.0, 100.0, 100.0, 150.0, 150.0, 160.0, 200.0])
+    result = protocol.run_bench(model, bench, progress=lambda s: None, finish_by=240.0, clock=lambda: next(ticks))
+    assert result["skipped"] == ["pydoc B=1"]
+    assert [(r["set"], r["batch"]) for r in result["rows"]] == [("humaneval", 1), ("humaneval", 2), ("pydoc", 2)]

@@ -27,6 +27,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--prompts-from", metavar="FILE", help="read the prompt sets from a file --export-prompts wrote")
     b.add_argument("--deadline-s", type=float,
                    help="start no (set, batch) unit after this many seconds; the report lists those skipped")
+    b.add_argument("--finish-by-s", type=float,
+                   help="skip a (set, batch) unit too when the last unit of its batch size, run again, would "
+                        "end after this many seconds (a device call's limit never cuts a unit off)")
     b.add_argument("--resume", metavar="BENCH_JSON",
                    help="run only the (set, batch) units a partial bench.json of the same config has no rows "
                         "for, and write it joined with them to --out (a run split over device calls)")
@@ -115,6 +118,7 @@ def cmd_bench(args) -> int:
     meta["matmul_precision"] = jax.config.jax_default_matmul_precision
     model = load_model(cfg.model, cfg.dtype)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    finish_by = None if args.finish_by_s is None else time.monotonic() + args.finish_by_s
 
     def joined(r):
         r = dict(r, meta=meta)
@@ -127,7 +131,7 @@ def cmd_bench(args) -> int:
     from specjax.memory.store import MemoryStore
     result = run_bench(model, cfg, progress=lambda s: print(s, flush=True), exported=exported, deadline=deadline,
                        partial=lambda r: write_report(joined(r), args.out), only_units=only,
-                       store=MemoryStore(args.memory))
+                       store=MemoryStore(args.memory), finish_by=finish_by)
     result = joined(result)
     paths = write_report(result, args.out)
     print("\n" + markdown(result))

@@ -190,9 +190,11 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
 def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               exported: dict[str, list[str]] | None = None, deadline: float | None = None,
               partial: Callable[[dict], None] | None = None, only_units: set[str] | None = None,
-              store=None) -> dict:
-    """Every (set, batch size) of the config in order. deadline (time.monotonic()): units not
-    started by then are listed under "skipped"; partial(result) after each unit (so a run cut
+              store=None, finish_by: float | None = None, clock: Callable[[], float] = time.monotonic) -> dict:
+    """Every (set, batch size) of the config in order. deadline (clock()): units not
+    started by then are listed under "skipped"; finish_by (clock()): a unit is skipped too when the
+    last unit of its batch size (else the longest one so far), run again, would end after it, so a
+    device call's time limit never cuts a unit off (later, cheaper units may still fit); partial(result) after each unit (so a run cut
     short keeps what it measured). only_units: run just these ("humaneval B=32", the form
     "skipped" lists), for resuming a run cut short. store: the MemoryStore memory methods (the
     searched configs) read their records from."""
@@ -214,15 +216,19 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
                                      "measured": r.measured, "device": r.device}
                               for name, r in searched.items()}
     decoders = DecoderCache(model, cfg, searched)
+    seconds: dict[int, float] = {}  # batch size -> how long its last unit took
     for set_name, n in cfg.sets:
         for batch in cfg.batch_sizes:
             if only_units is not None and f"{set_name} B={batch}" not in only_units:
                 continue
-            if deadline is not None and time.monotonic() > deadline:
+            now = clock()
+            estimate = seconds.get(batch, max(seconds.values(), default=0.0))
+            if (deadline is not None and now > deadline) or (finish_by is not None and now + estimate > finish_by):
                 result["skipped"].append(f"{set_name} B={batch}")
                 progress(f"deadline: skipping {set_name} B={batch}")
                 continue
             rows = run_set(model, cfg, set_name, n, batch, progress, peers, exported, decoders)
+            seconds[batch] = clock() - now
             result["rows"] += [dataclasses.asdict(r) for r in rows]
             if partial is not None:
                 partial(result)
