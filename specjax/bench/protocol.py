@@ -191,11 +191,11 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
               exported: dict[str, list[str]] | None = None, deadline: float | None = None,
               partial: Callable[[dict], None] | None = None, only_units: set[str] | None = None,
               store=None, finish_by: float | None = None, clock: Callable[[], float] = time.monotonic) -> dict:
-    """Every (set, batch size) of the config in order. deadline (clock()): units not
-    started by then are listed under "skipped"; finish_by (clock()): a unit is skipped too when the
-    last unit of its batch size (else the longest one so far), run again, would end after it, so a
-    device call's time limit never cuts a unit off (later, cheaper units may still fit); partial(result) after each unit (so a run cut
-    short keeps what it measured). only_units: run just these ("humaneval B=32", the form
+    """Every (set, batch size) of the config in order. deadline (clock()): units not started by
+    then are listed under "skipped"; finish_by (clock()): a unit is skipped too when the last unit
+    of its batch size (else the longest one so far), run again, would end after it, so a device
+    call's time limit never cuts a unit off (later, cheaper units may still fit). partial(result)
+    after each unit (so a run cut short keeps what it measured). only_units: run just these ("humaneval B=32", the form
     "skipped" lists), for resuming a run cut short. store: the MemoryStore memory methods (the
     searched configs) read their records from."""
     searched = {}

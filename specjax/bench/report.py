@@ -38,6 +38,8 @@ def markdown(result: dict) -> str:
     lines += ["", "Prompt sets:", ""]
     for name, s in result["sets"].items():
         lines.append(f"- {name} ({s['category']}): {s['source']}; license: {s['license']}")
+    if result.get("searched"):
+        lines += ["", "Searched configs (memory methods):", ""]
     for name, rec in result.get("searched", {}).items():
         mechanisms = ", ".join(f"{k}={v}" for k, v in sorted(rec["config"].items()))
         lines.append(f"- {name}: memory record {rec['record_id']} ({mechanisms}), measured "
