@@ -77,15 +77,13 @@ def searched_records(cfg: BenchConfig, store) -> dict[str, object]:
         if m.memory is None:
             continue
         want = dict(m.memory, target=cfg.model)
-        found = [r for r in store.records()[0]
-                 if all(r.deployment.get(k) == v and isinstance(r.deployment.get(k), bool) == isinstance(v, bool)
-                        for k, v in want.items())]
+        found = store.matching(want)
         if not found:
             fields = ", ".join(f"{k}={v}" for k, v in sorted(want.items()))
             raise ConfigError(f"method {m.name}: the memory store {store.root} has no validated record "
                               f"with {fields} (run `specjax search` for that deployment, or "
                               f"`specjax memory list` to see what it holds)")
-        out[m.name] = max(found, key=lambda r: (r.measured["speedup"], r.created, r.record_id))
+        out[m.name] = found[0]
     return out
 
 

@@ -350,6 +350,13 @@ class MemoryStore:
         scored.sort(key=lambda sr: (-sr[0], *_best_first(sr[1])))
         return [rec for _, rec in scored[:limit]]
 
+    def matching(self, deployment: dict) -> list[MemoryRecord]:
+        """Valid records whose deployment has every given field with the same value, best measured
+        speedup first (what a bench's searched method runs)."""
+        found = [rec for rec in self.records()[0]
+                 if all(k in rec.deployment and _same(rec.deployment[k], v) for k, v in deployment.items())]
+        return sorted(found, key=_best_first)
+
     def prune(self, *, keep_best_per_deployment: int | None = None, older_than_days: float | None = None,
               remove_corrupt: bool = False, dry_run: bool = False) -> list[Path]:
         """Remove (or with dry_run only list) every file any given criterion selects; return the paths.
