@@ -47,7 +47,7 @@ def random_case(draw):
                 max_new=draw(st.integers(1, 24)))
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=7, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(random_case())
 def test_random_targets_block_drafter_equals_ar(case):

@@ -76,6 +76,14 @@ def test_decode_attention_lowers_for_cuda(t):
     assert "decode_attention" in module and "xla.gpu.triton" in module
 
 
+@pytest.mark.parametrize("plus_one", [False, True])
+def test_rms_norm_lowers_for_cuda(plus_one):
+    from pallas_kernels.rms_norm import rms_norm
+    f = lambda x, w: rms_norm(x, w, 1e-5, plus_one)
+    module = lower_for_cuda(f, jnp.ones((2, 5, 576), jnp.bfloat16), jnp.ones((576,), jnp.bfloat16))
+    assert "rms_norm" in module and "xla.gpu.triton" in module
+
+
 @pytest.mark.parametrize("n,depth", [(1, 0), (17, 5), (33, 32)])
 def test_tree_gdn_lowers_for_cuda(n, depth):
     from pallas_kernels.tree_gdn import TreeGDNConfig, tree_gdn

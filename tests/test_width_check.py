@@ -32,3 +32,17 @@ def test_the_check_sees_a_width_dependent_step(monkeypatch):
     monkeypatch.setattr(transformer, "linear", lambda x, w: plain(x, w) * (1 + 2.0 ** -7 * (x.shape[1] > 1)))
     step = step_vs_ar(params, cfg, width=3, prompt_len=20)
     assert step["first_layer_differing"] == [0, 0, 0] and not any(step["logits_equal"])
+
+
+def test_kernel_path_normalizes_with_the_row_invariant_kernel(monkeypatch):
+    """XLA's RMSNorm of a row can change with the row count (tests/test_rms_norm.py): the kernel
+    path must route every norm (layers and final) through the kernel instead."""
+    from specjax.models import transformer
+    cfg, params = model()
+    kparams, _ = prepare_kernel_params(params, cfg, interpret=True)
+    calls = []
+    kernel = transformer.rms_norm_kernel
+    monkeypatch.setattr(transformer, "rms_norm_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    step_vs_ar(kparams, cfg, width=2, prompt_len=8)
+    per_forward = 2 * cfg.num_layers + 1
+    assert len(calls) >= per_forward and len(calls) % per_forward == 0

@@ -101,8 +101,8 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
     head = params.embed.T if params.lm_head is None else params.lm_head
     lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret, configs)
     report.append(r)
-    attention = "interpret" if interpret else "pallas"
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=attention), report
+    mode = "interpret" if interpret else "pallas"
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=mode, norm=mode), report
 
 
 def kernels_available() -> bool:

@@ -40,6 +40,9 @@ class ModelParams:
     # attention implementation: "xla", or the Pallas kernel ("pallas"; "interpret" in Pallas
     # interpret mode on a CPU), chosen with the kernel weights (models/kernel_params.py)
     attention: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # RMSNorm implementation, likewise: "xla", or the row-count-invariant kernel
+    # (pallas_kernels/rms_norm.py) that keeps AR and verify steps bit-identical in bf16
+    norm: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
 
 def truncate_layers(params: ModelParams, num_layers: int) -> ModelParams:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.rms_norm import rms_norm as rms_norm_kernel
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.linear import is_kernel_weight, linear
@@ -19,8 +20,12 @@ from specjax.models.params import LayerParams, ModelParams
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As transformers: normalize in float32, cast back, then scale.
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, impl: str = "xla") -> jax.Array:
+    """As transformers: normalize in float32, cast back, then scale. impl "pallas" / "interpret":
+    the kernel whose rows do not depend on the row count (pallas_kernels/rms_norm.py), which
+    the kernel path needs for AR and verify steps to agree bit for bit."""
+    if impl != "xla":
+        return rms_norm_kernel(x, weight, eps, interpret=impl == "interpret")
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
@@ -46,7 +51,7 @@ def dense_attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
 
 
 def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None,
-           attention: str = "xla"):
+           attention: str = "xla", norm: str = "xla"):
     """One decoder layer over a dense cache. `mix(h, sublayer)` (block drafters) transforms the
     normed input of the attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block
     convolution. `attention`: "xla", "pallas" or "interpret" (the fused kernel,
@@ -61,16 +66,17 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
         # no slot at or past start + T is visible (causal and tree masks alike)
         return decode_attention(q, kc, vc, mask, start + T, interpret=attention == "interpret"), (kc, vc)
 
-    x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix)
+    x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix, norm)
     return x, k_cache, v_cache
 
 
-def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None):
+def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None, norm: str = "xla"):
     """One decoder layer with the K/V storage left to `attend(q, k, v) -> (mixed [B, T, q_size],
     new storage)`, so the dense cache and the serving engine's paged cache share every other op
-    (and so their numerics). Returns (x, new storage)."""
+    (and so their numerics). `norm`: the RMSNorm implementation (see `rms_norm`).
+    Returns (x, new storage)."""
     B, T, _ = x.shape
-    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps, norm)
     if mix is not None:
         h = mix(h, 0)
     qkv = linear(h, p.w_qkv)
@@ -81,8 +87,8 @@ def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None):
     k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if p.q_norm is not None:
-        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, norm)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     mixed, storage = attend(q, k, v)
@@ -90,7 +96,7 @@ def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None):
     if p.b_o is not None:
         attn = attn + p.b_o
     x = x + attn
-    h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps, norm)
     if mix is not None:
         h = mix(h, 1)
     gate, up = jnp.split(linear(h, p.w_gate_up), 2, axis=-1)
@@ -122,13 +128,14 @@ def forward_with_taps(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, 
     cos, sin = rope_cos_sin(cfg, positions)
     new_k, new_v, tapped = [], [], {}
     for i, (p, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
-        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention)
+        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention,
+                           norm=params.norm)
         new_k.append(kc)
         new_v.append(vc)
         if i in taps:
             tapped[i] = x
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, params.norm)
     return x, features, KVCache(k=new_k, v=new_v)
 
 

@@ -64,7 +64,7 @@ def ops_vs_width(params, cfg, width: int) -> dict:
         return apply_rope(x.reshape(1, x.shape[1], -1, cfg.head_dim), *rope_cos_sin(cfg, pos))
 
     ops = {
-        "rms_norm": jax.jit(lambda x: rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)),
+        "rms_norm": jax.jit(lambda x: rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, params.norm)),
         "w_qkv": jax.jit(lambda x: linear(x, layer.w_qkv)),
         "w_gate_up": jax.jit(lambda x: linear(x, layer.w_gate_up)),
         "lm_head": jax.jit(lambda x: lm_logits(params, x)),

@@ -80,11 +80,11 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
             mixed = dense_attention(cfg, q[0][batch.unpack], gather_view(kp, pages), v_view,
                                     mask)  # [R, W, q_size]
             return mixed[batch.row, batch.col][None], (kp, vp)
-        x, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend)
+        x, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend, norm=params.norm)
         new_k.append(kp)
         new_v.append(vp)
         if i in taps:
             tapped[i] = x[0]
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, params.norm)
     return x[0], features, PagedKVCache(k=new_k, v=new_v)

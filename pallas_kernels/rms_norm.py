@@ -1,0 +1,84 @@
+"""RMSNorm over rows whose result does not depend on how many rows a call has.
+
+Why a kernel for a norm: XLA picks a reduction strategy per shape, so the sum of squares of one
+row can round differently when the call holds 1 row (an AR step) or k + 1 rows (a verify step).
+Measured on XLA's CPU backend (2026-12-06): the mean over 576 bf16 values of a row differed
+between shapes [2, 1, 576] and [2, 5, 576] in 145 of 200 random trials, and in a bf16 SmolLM2
+that one-ulp difference flipped a greedy token (margin 0.125) after 35 tokens: the only op of the
+kernel path that was not width-invariant (docs/notes/perf.md, 2026-12-06).
+
+Here every program normalizes a fixed block of `block_rows` rows padded to a power-of-two width;
+the reduction is one `jnp.sum` over that block's columns, so its order is fixed by the block
+shape and the config, never by the number of rows: an AR step and a verify step agree bit for
+bit. Padded columns are zeros (they add nothing to the sum); padded rows are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Tuning config of `rms_norm`. block_rows is speed only (each row is reduced alone)."""
+
+    block_rows: int = 16
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
+
+
+def _kernel(x_ref, w_ref, o_ref, *, eps: float, width: int, plus_one: bool):
+    xf = x_ref[...].astype(jnp.float32)  # [block_rows, Dp]
+    mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) / width  # the real width, not the padded one
+    normed = xf * jax.lax.rsqrt(mean_sq + eps)
+    if plus_one:  # Qwen3-Next style: scale by (1 + w) in float32, one rounding at the end
+        o_ref[...] = (normed * (1.0 + w_ref[...].astype(jnp.float32))).astype(o_ref.dtype)
+    else:  # Llama style (as transformers): cast back, then scale in the input's dtype
+        o_ref[...] = w_ref[...] * normed.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "plus_one", "config", "interpret"))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
+             config: NormConfig = NormConfig(), interpret: bool = False) -> jax.Array:
+    """x [..., D], weight [D] -> [..., D] in x's dtype; equals `rms_norm_reference` up to the
+    order of the sum of squares."""
+    lead, D = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, D)
+    M = rows.shape[0]
+    Dp = 1 << (D - 1).bit_length()  # Triton blocks are powers of two
+    R = config.block_rows
+    Mp = -(-M // R) * R
+    rows = jnp.pad(rows, ((0, Mp - M), (0, Dp - D)))
+    w = jnp.pad(weight.astype(x.dtype), (0, Dp - D)).reshape(1, Dp)
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu  # GPU only
+        params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, width=D, plus_one=plus_one),
+        out_shape=jax.ShapeDtypeStruct((Mp, Dp), x.dtype),
+        grid=(Mp // R,),
+        in_specs=[pl.BlockSpec((R, Dp), lambda i: (i, 0)), pl.BlockSpec((1, Dp), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((R, Dp), lambda i: (i, 0)),
+        compiler_params=params,
+        interpret=interpret,
+        name="rms_norm",
+    )(rows, w)
+    return out[:M, :D].reshape(*lead, D)
+
+
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """What `rms_norm` computes, in plain JAX (XLA chooses the reduction order)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
