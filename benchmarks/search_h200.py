@@ -31,7 +31,8 @@ import numpy as np
 
 from specjax.costmodel.model import predict
 from specjax.search.evaluate import Evaluator, cost_inputs
-from specjax.search.loop import AR_CONFIG, config_key, git_commit
+from specjax.provenance import code_commit
+from specjax.search.loop import AR_CONFIG, config_key
 from specjax.search.plots import median_relative_error, spearman
 from specjax.search.run import run_search
 from specjax.search.spec import load_spec
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = load_spec(args.spec)
-    result: dict = {"spec": args.spec, "commit": git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result: dict = {"spec": args.spec, "commit": code_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def save():
         (out / "search_bench.json").write_text(json.dumps(result, indent=1))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import subprocess
 import time
 from pathlib import Path
 
 from specjax.errors import ConfigError
+from specjax.provenance import code_commit
 
 
 def add_bench_parser(sub) -> None:
@@ -38,16 +37,6 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--memory", default="memory_store",
                    help="memory store the config's memory methods (searched configs) read their records from")
     b.set_defaults(func=cmd_bench)
-
-
-def _commit() -> str:
-    if os.environ.get("SPECJAX_COMMIT"):  # a copy of the tree without .git (the lent GPU) is told
-        return os.environ["SPECJAX_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _method_as_yaml(m) -> dict:
@@ -110,7 +99,7 @@ def cmd_bench(args) -> int:
         if not only:
             raise ConfigError(f"--resume {args.resume}: every unit of that run has rows; there is nothing to resume")
     exported = read_prompt_file(args.prompts_from) if args.prompts_from else None
-    commit = _commit()  # the code that runs: read before the run, which can outlast a commit
+    commit = code_commit()  # the code that runs: read before the run, which can outlast a commit
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": commit}
     if cfg.matmul_precision:

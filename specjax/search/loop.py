@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 
 from specjax.atomic import read_json_checked, write_json_atomic
 from specjax.costmodel.model import predict
+from specjax.provenance import code_commit
 from specjax.search.evaluate import Evaluator, Measurement, cost_inputs
 from specjax.search.registry import COMPONENTS, REGISTRY, drafter_variant, pilot_k
 from specjax.search.report import replayed
@@ -63,17 +62,6 @@ class SearchState:
 
 def _m(d: dict) -> Measurement:
     return Measurement(**d)
-
-
-def git_commit() -> str:
-    """The code's commit (SPECJAX_GIT_COMMIT where the tree travels without .git, as to a device)."""
-    if os.environ.get("SPECJAX_GIT_COMMIT"):
-        return os.environ["SPECJAX_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class Search:
@@ -181,7 +169,7 @@ class Search:
             predicted={"tokens_per_s": float(pred["tokens_per_s"][0]),
                        "speedup": float(pred["tokens_per_s"][0] / ar_pred["tokens_per_s"][0])},
             forcing={k: m.forcing[k] for k in ("checked", "expected", "failures", "near_ties", "tolerance")},
-            git_commit=git_commit(), device=m.device, created=utc_now())
+            git_commit=code_commit(), device=m.device, created=utc_now())
         rec = self.memory.put(record)
         if rec.record_id not in self.state.records:
             self.state.records.append(rec.record_id)
