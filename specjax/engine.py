@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,13 @@ class GenerationResult:
         return [float(at_least[i] / max(hist.sum(), 1)) for i in range(1, len(hist))]
 
 
+BF16_ON_XLA = (
+    "speculative decoding of a bf16 target on XLA's kernels is not promised token-identical to AR: "
+    "XLA picks GEMM and reduction orders per shape, so a verify step can round unlike an AR step "
+    "(docs/design/kernels.md). For bit-exact bf16 use a dense target with kernels='pallas' on a GPU "
+    "(AR and speculative alike), or float32.")
+
+
 def resolve_kernels(kernels: str, cfg: ModelConfig) -> str:
     """"auto" -> "xla" (until the kernels beat XLA on the device); other values are checked."""
     if kernels not in ("auto", "xla", "pallas", "interpret"):
@@ -121,6 +129,8 @@ class Decoder:
             from specjax.models.kernel_params import prepare_kernel_params
             params, self.kernel_report = prepare_kernel_params(
                 params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret")
+        if drafter is not None and cfg.dtype == "bfloat16" and (self.kernels == "xla" or is_hybrid(cfg)):
+            warnings.warn(BF16_ON_XLA, stacklevel=2)  # hybrid targets run XLA's GEMMs on every path
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         # drafted tokens one step writes past the committed length: cache and buffer room
         self.overshoot = 0 if drafter is None else drafter.k

@@ -109,3 +109,19 @@ def test_smollm2_lh12_equals_bf16_through_the_kernels(smollm2_bf16):
     x = Decoder(cfg, params, gen, kernels="xla").generate(prompts)
     first_tie = next((i for i, m in enumerate(x.margins[0]) if m < 0.25), len(x.tokens[0]))
     assert a.tokens[0][:first_tie] == x.tokens[0][:first_tie]
+
+
+def test_bf16_speculation_on_xla_warns_that_it_is_not_promised_exact():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=128, dtype="bfloat16")
+    params = init_random_params(cfg, jax.random.PRNGKey(0))
+    gen = GenerationConfig(max_new_tokens=2)
+    with pytest.warns(UserWarning, match="not promised token-identical"):
+        Decoder(cfg, params, gen, NgramDrafter(k=2), kernels="xla")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Decoder(cfg, params, gen, kernels="xla")  # plain AR: nothing to compare
+        Decoder(cfg, params, gen, NgramDrafter(k=2), kernels="interpret")  # the kernel path
+        f32 = dataclasses.replace(cfg, dtype="float32")
+        Decoder(f32, init_random_params(f32, jax.random.PRNGKey(0)), gen, NgramDrafter(k=2), kernels="xla")
