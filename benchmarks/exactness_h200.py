@@ -1,11 +1,13 @@
 """Where does a verify step stop matching AR steps bit for bit? (device diagnostic)
 
-    python benchmarks/exactness_h200.py [--model FILE.gguf] [--kernels pallas|xla] [--width 8]
+    python benchmarks/exactness_h200.py [--model FILE.gguf] [--kernels pallas|xla] [--width 8] [--batch 2]
 
 Runs one verify step over W tokens and W AR steps over the same tokens from the same cache, and
 compares, bitwise, the residual stream after every layer and the logits, row by row; then the
-step's ops in isolation at width 1 and W (RMSNorm, the GEMMs, attention). Speculative decoding is
-token-exact only if every one of them is width-invariant. Without --model: a random 4-layer
+step's ops in isolation at width 1 and W (RMSNorm, the GEMMs, attention), and RMSNorm alone over
+many random draws at batch B (the model's norm and XLA's: on the CPU XLA's changed with the row
+count, docs/notes/perf.md 2026-12-06). Speculative decoding is token-exact only if every one of
+them is width-invariant. Without --model: a random 4-layer
 SmolLM2-shaped model (also runs on a CPU). Writes $OUT/exactness_h200.json, prints a short table last.
 """
 
@@ -21,7 +23,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.models.config import ModelConfig  # noqa: E402
-from specjax.models.width_check import ops_vs_width, step_vs_ar  # noqa: E402
+from specjax.models.width_check import norm_vs_rows, ops_vs_width, step_vs_ar  # noqa: E402
 
 
 def model(args):
@@ -40,14 +42,17 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--kernels", default="xla", choices=["xla", "pallas", "interpret"])
     ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=2, help="rows per call of the step comparison")
     args = ap.parse_args()
     cfg, params = model(args)
     if args.kernels != "xla":
         from specjax.models.kernel_params import prepare_kernel_params
         params, _ = prepare_kernel_params(params, cfg, interpret=args.kernels == "interpret")
     res = {"meta": {"model": args.model or "random SmolLM2-shaped, 4 layers", "kernels": args.kernels,
-                    "width": args.width, "jax": jax.__version__, "device": jax.devices()[0].device_kind},
-           "step": step_vs_ar(params, cfg, args.width), "ops": ops_vs_width(params, cfg, args.width)}
+                    "width": args.width, "batch": args.batch, "jax": jax.__version__,
+                    "device": jax.devices()[0].device_kind},
+           "step": step_vs_ar(params, cfg, args.width, batch=args.batch), "ops": ops_vs_width(params, cfg, args.width),
+           "norm": norm_vs_rows(params, cfg, args.width, args.batch)}
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "exactness_h200.json").write_text(json.dumps(res, indent=1))
@@ -55,6 +60,7 @@ def main():
     print("  first differing layer per row:", res["step"]["first_layer_differing"])
     print("  logits equal per row:        ", res["step"]["logits_equal"])
     print("  ops width-invariant:         ", res["ops"])
+    print(f"  RMSNorm draws differing, 1 vs {args.width} rows x {args.batch}:", res["norm"]["differing_draws"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import jax
 from conftest import tiny_config
 from specjax.models.kernel_params import prepare_kernel_params
 from specjax.models.params import init_random_params
-from specjax.models.width_check import ops_vs_width, step_vs_ar
+from specjax.models.width_check import norm_vs_rows, ops_vs_width, step_vs_ar
 
 
 def model():
@@ -19,9 +19,11 @@ def model():
 def test_kernel_step_is_width_invariant():
     cfg, params = model()
     kparams, _ = prepare_kernel_params(params, cfg, interpret=True)
-    step = step_vs_ar(kparams, cfg, width=5, prompt_len=20)
+    step = step_vs_ar(kparams, cfg, width=5, prompt_len=20, batch=2)
     assert step["first_layer_differing"] == [None] * 5 and all(step["logits_equal"])
     assert all(ops_vs_width(kparams, cfg, width=5).values())
+    norm = norm_vs_rows(kparams, cfg, width=5, batch=2, draws=10)
+    assert norm["norm_impl"] == "interpret" and norm["differing_draws"]["model"] == 0, norm
 
 
 def test_the_check_sees_a_width_dependent_step(monkeypatch):

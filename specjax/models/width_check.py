@@ -22,17 +22,21 @@ def bits(x) -> np.ndarray:
     return x.view(np.uint32)
 
 
-def step_vs_ar(params, cfg, width: int, prompt_len: int = 64) -> dict:
-    """Residual stream after each layer (and logits): verify over `width` tokens vs AR steps."""
+def step_vs_ar(params, cfg, width: int, prompt_len: int = 64, batch: int = 1) -> dict:
+    """Residual stream after each layer (and logits): verify over `width` tokens vs AR steps, for
+    `batch` rows at once (rows of one call are where XLA's reduction order can shift: a norm over
+    2 x 5 rows need not round like one over 2 x 1). Per position j: the first layer where any row
+    differs (None: none), and whether every row's logits / argmax are equal."""
     taps = tuple(range(cfg.num_layers))
     slots = -(-(prompt_len + width + 8) // 64) * 64
     rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, prompt_len)), jnp.int32)
-    new = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, width)), jnp.int32)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
     fwd = jax.jit(forward_with_taps, static_argnames=("cfg", "taps"))
-    _, _, cache = fwd(params, cfg, prompt, jnp.arange(prompt_len)[None], init_cache(cfg, 1, slots),
-                      jnp.zeros(1, jnp.int32))
-    start = jnp.array([prompt_len], jnp.int32)
+    zeros = jnp.zeros(batch, jnp.int32)
+    _, _, cache = fwd(params, cfg, prompt, jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len)),
+                      init_cache(cfg, batch, slots), zeros)
+    start = jnp.full(batch, prompt_len, jnp.int32)
     hv, fv, _ = fwd(params, cfg, new, start[:, None] + jnp.arange(width)[None], cache, start, taps=taps)
     lv = lm_logits(params, hv)
     rows = []
@@ -44,11 +48,29 @@ def step_vs_ar(params, cfg, width: int, prompt_len: int = 64) -> dict:
     out = {"first_layer_differing": [], "logits_equal": [], "argmax_equal": []}
     for j, (f, lg) in enumerate(rows):
         differ = [li for li in range(cfg.num_layers)
-                  if not np.array_equal(bits(fv[0, j, li * D:(li + 1) * D]), bits(f[0, 0, li * D:(li + 1) * D]))]
+                  if not np.array_equal(bits(fv[:, j, li * D:(li + 1) * D]), bits(f[:, 0, li * D:(li + 1) * D]))]
         out["first_layer_differing"].append(differ[0] if differ else None)
-        out["logits_equal"].append(bool(np.array_equal(bits(lv[0, j]), bits(lg[0, 0]))))
-        out["argmax_equal"].append(bool(jnp.argmax(lv[0, j]) == jnp.argmax(lg[0, 0])))
+        out["logits_equal"].append(bool(np.array_equal(bits(lv[:, j]), bits(lg[:, 0]))))
+        out["argmax_equal"].append(bool(jnp.all(jnp.argmax(lv[:, j], -1) == jnp.argmax(lg[:, 0], -1))))
     return out
+
+
+def norm_vs_rows(params, cfg, width: int, batch: int = 2, draws: int = 40) -> dict:
+    """Draws (of `draws`) in which a row's RMSNorm differs, bitwise, between a [batch, 1, D] and a
+    [batch, width, D] call: for the model's norm (`params.norm`) and for XLA's, side by side. In
+    float32, so that every change of the sum's order shows (a bf16 output rounds most away, and
+    the rest flips a token now and then)."""
+    rng = np.random.default_rng(2)
+    w = params.layers[0].attn_norm.astype(jnp.float32)
+    impls = {"model": params.norm, "xla": "xla"}
+    fns = {k: jax.jit(lambda x, impl=impl: rms_norm(x, w, cfg.rms_norm_eps, impl)) for k, impl in impls.items()}
+    differs = dict.fromkeys(impls, 0)
+    for _ in range(draws):
+        x = jnp.asarray(rng.normal(0, 3, (batch, width, cfg.hidden_size)), jnp.float32)
+        for k, f in fns.items():
+            differs[k] += not np.array_equal(bits(f(x[:, :1])[:, 0]), bits(f(x)[:, 0]))
+    return {"draws": draws, "batch": batch, "width": width, "norm_impl": params.norm,
+            "differing_draws": differs}
 
 
 def ops_vs_width(params, cfg, width: int) -> dict:
