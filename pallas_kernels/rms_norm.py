@@ -9,7 +9,7 @@ kernel path that was not width-invariant (docs/notes/perf.md, 2026-12-06).
 
 Here every program normalizes a fixed block of `block_rows` rows padded to a power-of-two width;
 the reduction is one `jnp.sum` over that block's columns, so its order is fixed by the block
-shape and the config, never by the number of rows: an AR step and a verify step agree bit for
+shape and the config (chosen from the width), never by the number of rows: an AR step and a verify step agree bit for
 bit. Padded columns are zeros (they add nothing to the sum); padded rows are dropped.
 """
 
@@ -25,7 +25,9 @@ from jax.experimental import pallas as pl
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
-    """Tuning config of `rms_norm`. block_rows is speed only (each row is reduced alone)."""
+    """Tuning config of `rms_norm`. Both fields shape the Triton layout of a block, and with it the
+    order in which a row's squares are summed: numerics, so they are chosen from the width alone
+    (`default_norm_config`), never from the row count."""
 
     block_rows: int = 16
     num_warps: int = 4
@@ -33,6 +35,13 @@ class NormConfig:
     def __post_init__(self):
         if self.block_rows < 1 or self.block_rows & (self.block_rows - 1):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
+
+
+def default_norm_config(width: int) -> NormConfig:
+    """About 8k elements a program (16 rows of 512, 2 of 4096, 1 of 8192 or more): a block small
+    enough to stay in registers, with 8 warps past 2048 columns."""
+    padded = 1 << (width - 1).bit_length()
+    return NormConfig(block_rows=max(1, min(16, 8192 // padded)), num_warps=4 if padded <= 2048 else 8)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, eps: float, width: int, plus_one: bool):
@@ -47,10 +56,11 @@ def _kernel(x_ref, w_ref, o_ref, *, eps: float, width: int, plus_one: bool):
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "config", "interpret"))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
-             config: NormConfig = NormConfig(), interpret: bool = False) -> jax.Array:
+             config: NormConfig | None = None, interpret: bool = False) -> jax.Array:
     """x [..., D], weight [D] -> [..., D] in x's dtype; equals `rms_norm_reference` up to the
-    order of the sum of squares."""
+    order of the sum of squares. config: `default_norm_config(D)` when None."""
     lead, D = x.shape[:-1], x.shape[-1]
+    config = config or default_norm_config(D)
     rows = x.reshape(-1, D)
     M = rows.shape[0]
     Dp = 1 << (D - 1).bit_length()  # Triton blocks are powers of two

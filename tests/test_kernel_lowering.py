@@ -76,11 +76,11 @@ def test_decode_attention_lowers_for_cuda(t):
     assert "decode_attention" in module and "xla.gpu.triton" in module
 
 
-@pytest.mark.parametrize("plus_one", [False, True])
-def test_rms_norm_lowers_for_cuda(plus_one):
+@pytest.mark.parametrize("plus_one,width", [(False, 576), (True, 576), (False, 4096)])
+def test_rms_norm_lowers_for_cuda(plus_one, width):
     from pallas_kernels.rms_norm import rms_norm
     f = lambda x, w: rms_norm(x, w, 1e-5, plus_one)
-    module = lower_for_cuda(f, jnp.ones((2, 5, 576), jnp.bfloat16), jnp.ones((576,), jnp.bfloat16))
+    module = lower_for_cuda(f, jnp.ones((2, 5, width), jnp.bfloat16), jnp.ones((width,), jnp.bfloat16))
     assert "rms_norm" in module and "xla.gpu.triton" in module
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.rms_norm import NormConfig, rms_norm, rms_norm_reference
+from pallas_kernels.rms_norm import NormConfig, default_norm_config, rms_norm, rms_norm_reference
 
 
 def f32(x):
@@ -46,3 +46,10 @@ def test_xla_reduction_order_is_what_the_kernel_avoids():
         one = rms_norm(x[:, :1], jnp.ones(576, jnp.bfloat16), 1e-6, interpret=True)
         np.testing.assert_array_equal(f32(one[:, 0]), f32(ker[:, 0]))
     print(f"XLA mean differed between 1 and 5 rows in {differs} of 20 draws")
+
+
+def test_default_configs_keep_a_block_in_registers():
+    assert default_norm_config(576) == NormConfig(block_rows=8, num_warps=4)  # padded to 1024
+    assert default_norm_config(4096) == NormConfig(block_rows=2, num_warps=8)
+    assert default_norm_config(16384) == NormConfig(block_rows=1, num_warps=8)
+    assert default_norm_config(64).block_rows == 16
