@@ -9,8 +9,9 @@ kernel path that was not width-invariant (docs/notes/perf.md, 2026-12-06).
 
 Here every program normalizes a fixed block of `block_rows` rows padded to a power-of-two width;
 the reduction is one `jnp.sum` over that block's columns, so its order is fixed by the block
-shape and the config (chosen from the width), never by the number of rows: an AR step and a verify step agree bit for
-bit. Padded columns are zeros (they add nothing to the sum); padded rows are dropped.
+shape and the config (chosen from the width), never by the number of rows: an AR step and a
+verify step agree bit for bit. Padded columns are zeros (they add nothing to the sum); padded
+rows are dropped.
 """
 
 from __future__ import annotations
