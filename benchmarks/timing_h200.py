@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import glob
 import json
 import os
 import re
@@ -38,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.skinny_gemm import prepare_bf16, skinny_gemm  # noqa: E402
 from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12  # noqa: E402
+from specjax.profiling import by_name, device_kernel_events  # noqa: E402
 from specjax.provenance import code_commit  # noqa: E402
 from specjax.search.kernel_timer import looped, random_bits  # noqa: E402
 from specjax.search.kernel_timer import median_seconds as timed  # noqa: E402
@@ -61,6 +61,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
                  max_position_embeddings=8192, dtype="bfloat16")
 CONTEXT = 1024
+DEVICE = None  # tile cache to read (memory_store/kernels/<device>.json); None: this device's
 
 
 def log(*a):
@@ -74,40 +75,6 @@ def save():
 
 
 # --------------------------------------------------------------------------- profiler
-
-DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Framework", "Source", "XLA TraceMe", "Launch")
-
-
-def kernel_events(fn, *args) -> list[tuple[str, float]]:
-    """(name, seconds) of every device kernel one call of `fn(*args)` ran, from a profiler trace.
-    Memcpy/memset events are kept (named as such); derived lines (XLA Ops, Steps...) are not."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            jax.block_until_ready(fn(*args))
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        data = jax.profiler.ProfileData.from_file(paths[0])
-        events, lines = [], []
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                evs = list(line.events)
-                lines.append((line.name, len(evs)))
-                if any(line.name.startswith(p) for p in DERIVED_LINES):
-                    continue
-                events += [(e.name, e.duration_ns * 1e-9) for e in evs]
-    RESULTS.setdefault("profiler_lines_seen", sorted(set(lines))[:40])
-    return events
-
-
-def by_name(events) -> dict[str, tuple[int, float]]:
-    agg: dict = collections.defaultdict(lambda: [0, 0.0])
-    for name, s in events:
-        agg[name][0] += 1
-        agg[name][1] += s
-    return {k: (v[0], v[1]) for k, v in sorted(agg.items(), key=lambda kv: -kv[1][1])}
-
 
 KINDS = [  # (kind, regex on the kernel name), first match wins
     ("gemm_ours", r"skinny_gemm"),
@@ -146,7 +113,7 @@ def read_part() -> dict:
     xla = jax.jit(lambda x: jnp.sum(x, axis=0, dtype=jnp.float32))
     for name, f in (("xla_colsum", xla), ("pallas_read", pallas)):
         row = {"wall_TBps": nbytes / timed(f, x) / 1e12}
-        evs = by_name(kernel_events(f, x))
+        evs = by_name(device_kernel_events(f, x))
         if not evs:  # no device plane (CPU smoke run)
             out[name] = row
             continue
@@ -178,7 +145,7 @@ def gemv_part() -> dict:
         copies = max(1, int(np.ceil(3 * L2_BYTES / (0.75 * nbytes))))
         bits = [random_bits(kk, shape) for kk in jax.random.split(jax.random.PRNGKey(k + n), copies)]
         w16 = [jax.lax.bitcast_convert_type(b, jnp.bfloat16) for b in bits]
-        c16, c12 = tuned_config(shape, "bf16", device="h200"), tuned_config(shape, "lh12", device="h200")
+        c16, c12 = tuned_config(shape, "bf16", device=DEVICE), tuned_config(shape, "lh12", device=DEVICE)
         formats = {
             "xla": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), w16),
             "ours_bf16": (skinny_gemm, [prepare_bf16(w, c16, INTERPRET) for w in w16]),
@@ -194,7 +161,7 @@ def gemv_part() -> dict:
                     row["fori_TBps"] = nbytes * copies * reps / timed(looped(gemm, reps), x, ws) / 1e12
                     f = chained(gemm, CALLS)
                     row["unrolled_TBps"] = nbytes * CALLS / timed(f, x, ws) / 1e12
-                    evs = by_name(kernel_events(f, x, ws))
+                    evs = by_name(device_kernel_events(f, x, ws))
                     if not evs:  # no device plane (CPU smoke run)
                         raise RuntimeError("the profiler saw no device kernels")
                     main_name, (count, secs) = next(iter(evs.items()))
@@ -221,7 +188,7 @@ def step_variants(names):
     from specjax.models.params import init_random_params
     cfg = ModelConfig(**LLAMA3_8B)
     params = init_random_params(cfg, jax.random.PRNGKey(0))
-    configs = {(s, f): tuned_config(s, f, device="h200")
+    configs = {(s, f): tuned_config(s, f, device=DEVICE)
                for s in [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
                for f in ("bf16", "lh12")}
     out = {}
@@ -275,7 +242,7 @@ def step_part(names, profile: bool = True, tokens=(1, 16), reps: int = 8) -> dic
                 wall = timed(run, params, cache, toks, repeats=3) / reps
                 cell = {"wall_ms": wall * 1e3}
                 if profile:
-                    evs = by_name(kernel_events(run, params, cache, toks))
+                    evs = by_name(device_kernel_events(run, params, cache, toks))
                     kinds: dict = collections.defaultdict(float)
                     for kname, (_, s) in evs.items():
                         kinds[kind_of(kname)] += s / reps * 1e3
@@ -348,14 +315,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="read,gemv,step,flags")
     ap.add_argument("--steps", default="xla,ours_bf16,ours_lh12")
+    ap.add_argument("--tiles-of", help="read another device's tile cache (e.g. h200); default: this device's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.tiles_of
     if args.smoke:
         global INTERPRET, SHAPES, L2_BYTES, CALLS
         INTERPRET, SHAPES, L2_BYTES, CALLS = True, [(256, 1024)], 1e6, 3
         LLAMA3_8B.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=32)
-    RESULTS["meta"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": code_commit(),
+    from specjax.costmodel.hardware import current_device_name
+    RESULTS["meta"] = {"tiles_of": DEVICE or current_device_name(),"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": code_commit(),
                        "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                        "xla_flags": os.environ.get("XLA_FLAGS", "")}
     parts = args.parts.split(",")

@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read bandwidth the gaps are measured to (default: this device's calibration, "
                         "else its nominal figure, else the H200's 4070)")
     t.add_argument("--memory", default="memory_store", help="memory store directory (cache: kernels/<device>.json)")
+    t.add_argument("--timer", choices=["kernel", "loop"], default="kernel",
+                   help="kernel: the kernels' own durations from a profiler trace (default); loop: host "
+                        "clock around a jit'd loop of calls, loop overhead included")
     t.add_argument("--fake-timer", action="store_true",
                    help="test only: a deterministic stand-in for GPU timings, so the command runs without a "
                         "GPU; its numbers mean nothing, and it caches under <device>-fake")
@@ -325,7 +328,7 @@ def cmd_tune_kernels(args) -> int:
         time_fn, name = FakeTimer(ceiling), f"{name}-fake"
     else:
         from specjax.search.kernel_timer import KernelTimer
-        time_fn = KernelTimer()
+        time_fn = KernelTimer(method=args.timer)
     tuner = KernelTuner(time_fn, name, args.memory, ceiling=ceiling, budget_s=args.budget_s)
     print(f"tuning {len(shapes)} shapes on {name} for {args.budget_s:.0f} s; ceiling {ceiling / 1e9:.0f} GB/s")
     results = tuner.run(shapes)
