@@ -62,6 +62,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  max_position_embeddings=8192, dtype="bfloat16")
 CONTEXT = 1024
 DEVICE = None  # tile cache to read (memory_store/kernels/<device>.json); None: this device's
+KERNEL_ONLY = False  # --timers kernel: skip the fori and unrolled wall-clock harnesses
+FINISH_BY_S = float("inf")  # start no new measurement after this many seconds
 
 
 def log(*a):
@@ -157,10 +159,15 @@ def gemv_part() -> dict:
             for t in TOKENS:
                 x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.bfloat16)
                 row = {}
+                if time.time() - T0 > FINISH_BY_S:
+                    row["error"] = "skipped: past --finish-by-s"
+                    entry[f"{fmt_}_T{t}"] = row
+                    continue
                 try:
-                    row["fori_TBps"] = nbytes * copies * reps / timed(looped(gemm, reps), x, ws) / 1e12
                     f = chained(gemm, CALLS)
-                    row["unrolled_TBps"] = nbytes * CALLS / timed(f, x, ws) / 1e12
+                    if not KERNEL_ONLY:
+                        row["fori_TBps"] = nbytes * copies * reps / timed(looped(gemm, reps), x, ws) / 1e12
+                        row["unrolled_TBps"] = nbytes * CALLS / timed(f, x, ws) / 1e12
                     evs = by_name(device_kernel_events(f, x, ws))
                     if not evs:  # no device plane (CPU smoke run)
                         raise RuntimeError("the profiler saw no device kernels")
@@ -230,13 +237,16 @@ def weight_bytes(params) -> int:
     return w - params.embed.size * params.embed.dtype.itemsize  # the embedding is gathered, not streamed
 
 
-def step_part(names, profile: bool = True, tokens=(1, 16), reps: int = 8) -> dict:
+def step_part(names, profile: bool = True, tokens=(1, 16, 64), reps: int = 8) -> dict:
     cfg, variants = step_variants(names)
     read = RESULTS.get("read", {}).get("pallas_read", {}).get("kernel_TBps")
     out = {}
     for name, params in variants.items():
         row = {"weight_bytes": weight_bytes(params)}
         for t in tokens:
+            if time.time() - T0 > FINISH_BY_S:
+                row[f"T{t}"] = {"error": "skipped: past --finish-by-s"}
+                continue
             try:
                 run, cache, toks = step_fn(cfg, t, reps)
                 wall = timed(run, params, cache, toks, repeats=3) / reps
@@ -293,6 +303,7 @@ def table():
                 r = e.get(f"{f}_T{t}", {})
                 cells.append(f"T{t} {r.get('fori_TBps', float('nan')):.2f} {r.get('unrolled_TBps', float('nan')):.2f} "
                              f"{r.get('kernel_TBps', float('nan')):.2f}")
+
             print(f"{key:>12} {f:>10}  " + "   ".join(cells))
     for name in ("xla_colsum", "pallas_read"):
         r = RESULTS.get("read", {}).get(name)
@@ -300,7 +311,7 @@ def table():
             print(f"read {name:>12}: wall {r['wall_TBps']:.2f}, kernel {r.get('kernel_TBps', float('nan')):.2f} TB/s")
     print("\n8B step, ms: wall = kernels + gaps (kernels by kind)")
     for name, row in RESULTS.get("step", {}).items():
-        for t in (1, 16):
+        for t in (1, 16, 64):
             c = row.get(f"T{t}")
             if c and "kernels_ms" in c:
                 kinds = " ".join(f"{k}={v:.3f}" for k, v in c["by_kind_ms"].items())
@@ -317,9 +328,17 @@ def main():
     ap.add_argument("--steps", default="xla,ours_bf16,ours_lh12")
     ap.add_argument("--tiles-of", help="read another device's tile cache (e.g. h200); default: this device's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
+    ap.add_argument("--tokens", default="1,16", help="GEMV rows T to time (the step always runs T = 1, 16, 64)")
+    ap.add_argument("--timers", default="all", choices=["all", "kernel"],
+                    help="kernel: GEMVs timed by the profiler only (no fori / unrolled wall clocks)")
+    ap.add_argument("--finish-by-s", type=float, default=float("inf"),
+                    help="start no new measurement after this many seconds (the rest is recorded as skipped)")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, TOKENS, KERNEL_ONLY, FINISH_BY_S
     DEVICE = args.tiles_of
+    TOKENS = [int(t) for t in args.tokens.split(",")]
+    KERNEL_ONLY = args.timers == "kernel"
+    FINISH_BY_S = args.finish_by_s
     if args.smoke:
         global INTERPRET, SHAPES, L2_BYTES, CALLS
         INTERPRET, SHAPES, L2_BYTES, CALLS = True, [(256, 1024)], 1e6, 3

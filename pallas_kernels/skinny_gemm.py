@@ -145,11 +145,29 @@ def unprepare_bf16(gw: GemmWeight) -> jax.Array:
     return gw.w if tuple(gw.w.shape) == (k, n) else gw.w[:k, :n]
 
 
-def pad_rows(x: jax.Array, g: Geometry) -> jax.Array:
-    """x [T, K] -> bf16 [Tp, Kp], Tp a multiple of 16; zero rows and columns add exact zeros."""
-    t = x.shape[0]
-    tp = -(-t // ROW_CHUNK) * ROW_CHUNK
-    return jnp.pad(x.astype(jnp.bfloat16), ((0, tp - t), (0, g.kp - g.k)))
+def as_operand(x: jax.Array, g: Geometry) -> jax.Array:
+    """x [T, K] -> bf16 [T, Kp]. Rows are not padded, so a decode step runs no pad kernel before
+    each GEMM: the last row chunk reads its missing rows as copies of row T - 1 (`_chunk_index`);
+    the kernels write Tp = 16 * row_chunks(T) rows and the caller keeps the first T (a slice XLA
+    fuses into the split-K sum or the consumer). Columns are padded only when Kp > K."""
+    x = x.astype(jnp.bfloat16)
+    return x if g.kp == g.k else jnp.pad(x, ((0, 0), (0, g.kp - g.k)))
+
+
+def row_chunks(t: int) -> int:
+    return -(-t // ROW_CHUNK)
+
+
+def _chunk_index(c: int, t: int, col, width: int):
+    """Row and column indexers of chunk c's [16, width] block of x at column `col`: plain slices
+    when all 16 rows exist, else index arrays whose rows past T - 1 repeat row T - 1. A tensor-core
+    dot computes each row from its own x row alone, so the repeats only produce copies of row
+    T - 1's result in output rows T..Tp - 1, which the caller slices off: rows < T come out as
+    with zero padding, bit for bit."""
+    if (c + 1) * ROW_CHUNK <= t:
+        return pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, width)
+    rows = jnp.minimum(c * ROW_CHUNK + jax.lax.broadcasted_iota(jnp.int32, (ROW_CHUNK, width), 0), t - 1)
+    return rows, col + jax.lax.broadcasted_iota(jnp.int32, (ROW_CHUNK, width), 1)
 
 
 def sum_partials(partials: jax.Array) -> jax.Array:
@@ -194,8 +212,9 @@ def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, chunks: int):
             o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, cfg.block_m)] = accs[i * chunks + c]
 
 
-def x_chunks(x_ref, k0, cfg: GemmConfig, chunks: int):
-    return [x_ref[pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(k0, cfg.block_k)] for c in range(chunks)]
+def x_chunks(x_ref, k0, cfg: GemmConfig, t: int):
+    """The activation rows as 16-row chunks [16, block_k] (see `_chunk_rows`)."""
+    return [x_ref[_chunk_index(c, t, k0, cfg.block_k)] for c in range(row_chunks(t))]
 
 
 def compiler_params(cfg: GemmConfig, interpret: bool):
@@ -205,18 +224,18 @@ def compiler_params(cfg: GemmConfig, interpret: bool):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, chunks: int):
+def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, t: int):
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
 
     def step(i, accs):
         k0 = pl.multiple_of((s * g.steps + i) * cfg.block_k, cfg.block_k)
         tile = w_ref[pl.ds(k0, cfg.block_k), pl.ds(n0, cfg.block_n)]
-        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), [tile], accs)
+        return chunked_dots(x_chunks(x_ref, k0, cfg, t), [tile], accs)
 
     zero = jnp.zeros((ROW_CHUNK, cfg.block_n), jnp.float32)
-    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * chunks)
-    store_wide(o_ref, accs, cfg, chunks)
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * row_chunks(t))
+    store_wide(o_ref, accs, cfg, row_chunks(t))
 
 
 @jax.jit
@@ -225,17 +244,16 @@ def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
     cfg, g = gw.config, Geometry.of(gw.shape, gw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm: x is {list(x.shape)}, weight is {list(gw.shape)}")
-    xp = pad_rows(x, g)
-    chunks = xp.shape[0] // ROW_CHUNK
+    t = x.shape[0]
     partials = pl.pallas_call(
-        functools.partial(_bf16_kernel, g=g, cfg=cfg, chunks=chunks),
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], g.npad), jnp.float32),
+        functools.partial(_bf16_kernel, g=g, cfg=cfg, t=t),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, row_chunks(t) * ROW_CHUNK, g.npad), jnp.float32),
         grid=(g.npad // cfg.block_n, cfg.split_k),
         compiler_params=compiler_params(cfg, gw.interpret),
         interpret=gw.interpret,
         name="skinny_gemm_bf16",
-    )(xp, gw.w)
-    return sum_partials(partials)[:x.shape[0], :g.n]
+    )(as_operand(x, g), gw.w)
+    return sum_partials(partials)[:t, :g.n]
 
 
 def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:

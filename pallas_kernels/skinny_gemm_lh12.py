@@ -24,8 +24,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, chunked_dots,
-                                        compiler_params, finish, pad_rows, store_accs, store_wide,
-                                        x_chunks)
+                                        as_operand, compiler_params, finish, row_chunks, store_accs,
+                                        store_wide, x_chunks)
 from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax
 
 _U32 = np.uint32
@@ -155,7 +155,7 @@ def escaped_high_bytes(esc, ovw, code, ha, hb):
 
 
 def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, o_ref, *,
-                 g: Geometry, cfg: GemmConfig, base: int, segs: int, chunks: int,
+                 g: Geometry, cfg: GemmConfig, base: int, segs: int, t: int,
                  interpret: bool):
     j, s = pl.program_id(0), pl.program_id(1)
     bk, bm = cfg.block_k, cfg.block_m
@@ -216,15 +216,15 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         tiles = interleave(lo_a, lo_b, ha, hb)
         if cfg.one_dot:
             tiles = [interleave_tiles(tiles)]
-        return chunked_dots(x_chunks(x_ref, k0, cfg, chunks), tiles, accs)
+        return chunked_dots(x_chunks(x_ref, k0, cfg, t), tiles, accs)
 
     width = cfg.block_n if cfg.one_dot else bm
     zero = jnp.zeros((ROW_CHUNK, width), jnp.float32)
-    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * ((1 if cfg.one_dot else STRIPES) * chunks))
+    accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * ((1 if cfg.one_dot else STRIPES) * row_chunks(t)))
     if cfg.one_dot:  # partials in super-word order: column 8 m + i is output column i * Mp + m
-        store_wide(o_ref, accs, cfg, chunks)
+        store_wide(o_ref, accs, cfg, row_chunks(t))
     else:
-        store_accs(o_ref, accs, g, cfg, chunks)
+        store_accs(o_ref, accs, g, cfg, row_chunks(t))
 
 
 @jax.jit
@@ -234,22 +234,22 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     cfg, g = lw.config, Geometry.of(lw.shape, lw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
-    xp = pad_rows(x, g)
-    chunks = xp.shape[0] // ROW_CHUNK
+    t = x.shape[0]
+    tp = row_chunks(t) * ROW_CHUNK
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
-                               chunks=chunks, interpret=lw.interpret)
+                               t=t, interpret=lw.interpret)
     partials = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, xp.shape[0], STRIPES * g.mp), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, tp, STRIPES * g.mp), jnp.float32),
         grid=(g.mp // cfg.block_m, cfg.split_k),
         compiler_params=compiler_params(cfg, lw.interpret),
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
-    )(xp, lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
+    )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
     if cfg.one_dot:  # super-word order -> stripe order, fused by XLA into the split-K sum
-        partials = partials.reshape(cfg.split_k, xp.shape[0], g.mp, STRIPES).transpose(0, 1, 3, 2)
-        partials = partials.reshape(cfg.split_k, xp.shape[0], STRIPES * g.mp)
-    return finish(partials, g, x.shape[0])
+        partials = partials.reshape(cfg.split_k, tp, g.mp, STRIPES).transpose(0, 1, 3, 2)
+        partials = partials.reshape(cfg.split_k, tp, STRIPES * g.mp)
+    return finish(partials, g, t)
 
 
 def skinny_gemm_lh12_reference(x: jax.Array, p: Packed12) -> jax.Array:

@@ -144,3 +144,17 @@ def test_jit_of_kernel_weights():
     gw = prepare_lh12(encode(w), cfg, interpret=True)
     f = jax.jit(lambda x, gw: skinny_gemm_lh12(x, gw) * 2)
     np.testing.assert_array_equal(bits(f(x, gw)), bits(skinny_gemm_lh12(x, gw) * 2))
+
+
+def test_decode_rows_are_not_padded_in_hbm():
+    """T = 1 (any T) feeds x to the kernels as it is: no pad op runs before the GEMM."""
+    rng = np.random.default_rng(7)
+    w = rng.normal(0, 0.05, (128, 200)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    cfg = GemmConfig(block_n=128, block_k=32, split_k=2)
+    x = jnp.asarray(rng.normal(0, 1, (3, 128)), jnp.bfloat16)
+    for gw, gemm in ((prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True), skinny_gemm),
+                     (prepare_lh12(encode(w), cfg, interpret=True), skinny_gemm_lh12)):
+        for t in (1, 3):
+            jaxpr = str(jax.make_jaxpr(gemm)(x[:t], gw))
+            assert "pad[" not in jaxpr, jaxpr[:3000]
+            np.testing.assert_array_equal(bits(gemm(x[:t], gw)), bits(gemm(x, gw))[:t])
