@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, chunked_dots,
                                         as_operand, compiler_params, finish, row_chunks, store_accs,
-                                        store_wide, x_chunks)
-from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax
+                                        store_wide, sum_partials, x_chunks)
+from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax, encode_jax
 
 _U32 = np.uint32
 SEG_WORDS = LAYOUT.segment // LAYOUT.group  # super-words per escape segment (8)
@@ -47,6 +47,9 @@ class Lh12GemmWeight:
     base: int = dataclasses.field(metadata=dict(static=True))
     config: GemmConfig = dataclasses.field(metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # the planes encode W[:, to_stored_order] (see `natural_order`): the kernel's output columns
+    # come out in natural order, with no transpose after the GEMM
+    natural: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def segments_per_row(self) -> int:
@@ -67,8 +70,44 @@ def escaped_superwords(p: Packed12) -> np.ndarray:
     return np.repeat(flags.reshape(rows, segs).astype(bool), SEG_WORDS, axis=1)[:, :m]
 
 
-def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False) -> Lh12GemmWeight:
-    """Pad a tensor's planes to the config's blocks and count escapes per tile."""
+def natural_order(shape: tuple[int, int], config: GemmConfig) -> bool:
+    """A one-dot kernel writes output column 8 m + i from stored position 8 m + i, which LH12 maps
+    to column i * M + m (stripe i): in the format's order a transpose must follow each GEMM (at
+    T = 64 it cost ~1 ms of an 8B step on the H100, 2026-12-06). Packing W[:, to_stored_order]
+    instead puts column 8 m + i of W at stored position 8 m + i, so the output is in natural order.
+    Needs N % 8 == 0 (M = N / 8, no pad columns inside the stripes)."""
+    return config.one_dot and shape[1] % STRIPES == 0
+
+
+def to_stored_order(bits: jax.Array) -> jax.Array:
+    """W [K, N] -> W' with W'[:, i * M + m] = W[:, 8 m + i] (N % 8 == 0)."""
+    k, n = bits.shape
+    return bits.reshape(k, n // STRIPES, STRIPES).transpose(0, 2, 1).reshape(k, n)
+
+
+def from_stored_order(bits: jax.Array) -> jax.Array:
+    """Inverse of `to_stored_order`."""
+    k, n = bits.shape
+    return bits.reshape(k, STRIPES, n // STRIPES).transpose(0, 2, 1).reshape(k, n)
+
+
+def pack_for_kernel(bits: jax.Array, config: GemmConfig) -> tuple[Packed12, bool]:
+    """bf16 bit patterns [K, N] -> (planes for `prepare_lh12`, permuted): encoded in the kernel's
+    natural order where `natural_order` allows."""
+    permuted = natural_order(tuple(bits.shape), config)
+    return encode_jax(to_stored_order(bits) if permuted else bits), permuted
+
+
+def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False,
+                 permuted: bool = False) -> Lh12GemmWeight:
+    """Pad a tensor's planes to the config's blocks and count escapes per tile. `p` holds W's planes,
+    or, with `permuted`, those of W[:, to_stored_order] (`pack_for_kernel`); where `natural_order`
+    holds and `p` is not permuted yet, it is decoded, permuted and encoded again here."""
+    natural = natural_order(p.shape, config)
+    if permuted and not natural:
+        raise ValueError(f"planes permuted for natural order, but {config} on {p.shape} cannot use it")
+    if natural and not permuted:
+        p = encode_jax(to_stored_order(decode_jax(p)))
     g = Geometry.of(p.shape, config)
     segs = -(-p.shape[1] // LAYOUT.segment)
     pad2 = lambda a: jnp.pad(jnp.asarray(a, jnp.uint32), ((0, g.kp - g.k), (0, g.mp - g.m)))
@@ -82,7 +121,7 @@ def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False) -> Lh
         flag=pad1(p.flag), ovbase=pad1(p.ovbase),
         ov=jnp.concatenate([jnp.asarray(p.ov, jnp.uint32).reshape(-1), jnp.zeros(SEG_WORDS, jnp.uint32)]),
         tile_escapes=jnp.asarray(tiles.sum(axis=(1, 3)), jnp.int32),
-        shape=p.shape, base=p.base, config=config, interpret=interpret)
+        shape=p.shape, base=p.base, config=config, interpret=interpret, natural=natural)
 
 
 def high_bytes(code, base: int):
@@ -246,6 +285,8 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
     )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
+    if lw.natural:  # stored order is W's own column order
+        return sum_partials(partials)[:t, :g.n]
     if cfg.one_dot:  # super-word order -> stripe order, fused by XLA into the split-K sum
         partials = partials.reshape(cfg.split_k, tp, g.mp, STRIPES).transpose(0, 1, 3, 2)
         partials = partials.reshape(cfg.split_k, tp, STRIPES * g.mp)
@@ -259,7 +300,8 @@ def skinny_gemm_lh12_reference(x: jax.Array, p: Packed12) -> jax.Array:
 
 
 def unprepare_lh12(lw: Lh12GemmWeight) -> Packed12:
-    """The tensor's own planes back, without the kernel's padding (for XLA paths, e.g. prefill)."""
+    """The planes back without the kernel's padding: W's, or W[:, to_stored_order]'s when
+    `lw.natural` (`dense_lh12` undoes that)."""
     g = Geometry.of(lw.shape, lw.config)
     segs = lw.segments_per_row
     nflag = -(-g.k * segs // LAYOUT.flag_bits)
@@ -272,4 +314,5 @@ def unprepare_lh12(lw: Lh12GemmWeight) -> Packed12:
 
 def dense_lh12(lw: Lh12GemmWeight) -> jax.Array:
     """The decoded bf16 matrix [K, N] (materialized: only for paths that are not weight-bound)."""
-    return jax.lax.bitcast_convert_type(decode_jax(unprepare_lh12(lw)), jnp.bfloat16)
+    bits = decode_jax(unprepare_lh12(lw))
+    return jax.lax.bitcast_convert_type(from_stored_order(bits) if lw.natural else bits, jnp.bfloat16)

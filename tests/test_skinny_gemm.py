@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels.skinny_gemm import (GemmConfig, default_config, prepare_bf16, skinny_gemm,
                                         skinny_gemm_reference, unprepare_bf16)
-from pallas_kernels.skinny_gemm_lh12 import (dense_lh12, prepare_lh12, skinny_gemm_lh12,
+from pallas_kernels.skinny_gemm_lh12 import (dense_lh12, pack_for_kernel, prepare_lh12, skinny_gemm_lh12,
                                              skinny_gemm_lh12_reference, unprepare_lh12)
 from specjax.weights.lh12 import PLANES, encode
 
@@ -158,3 +158,29 @@ def test_decode_rows_are_not_padded_in_hbm():
             jaxpr = str(jax.make_jaxpr(gemm)(x[:t], gw))
             assert "pad[" not in jaxpr, jaxpr[:3000]
             np.testing.assert_array_equal(bits(gemm(x[:t], gw)), bits(gemm(x, gw))[:t])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_natural_order_packing_skips_the_transpose_and_stays_bitwise(seed):
+    """One-dot 12-bit weights packed in natural order: no transpose after the kernel, the same bits
+    as the bf16 kernel, and `dense_lh12` still gives W back."""
+    rng = np.random.default_rng(40 + seed)
+    k, n, t = 64 * int(rng.integers(1, 4)), 8 * int(rng.integers(20, 90)), int(rng.integers(1, 40))
+    w = rng.normal(0, 0.02, (k, n)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    w[rng.random(w.shape) < 0.01] = 0x4780  # escapes
+    cfg = GemmConfig(block_n=128, block_k=32, split_k=int(rng.integers(1, 3)), escape_lookup="masked",
+                     one_dot=True)
+    x = jnp.asarray(rng.normal(0, 1, (t, k)), jnp.bfloat16)
+    packed, permuted = pack_for_kernel(jnp.asarray(w), cfg)
+    assert permuted
+    lw = prepare_lh12(packed, cfg, interpret=True, permuted=True)
+    assert lw.natural
+    jaxpr = str(jax.make_jaxpr(skinny_gemm_lh12)(x, lw))
+    assert "transpose[" not in jaxpr
+    gw = prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True)
+    np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, lw)), bits(skinny_gemm(x, gw)))
+    np.testing.assert_array_equal(np.asarray(dense_lh12(lw)).view(np.uint16), w)
+    # the format's own planes, permuted inside prepare_lh12: the same weight
+    lw2 = prepare_lh12(encode(w), cfg, interpret=True)
+    assert lw2.natural
+    np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, lw2)), bits(skinny_gemm(x, gw)))

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.skinny_gemm import GemmConfig, default_config, prepare_bf16
-from pallas_kernels.skinny_gemm_lh12 import prepare_lh12
+from pallas_kernels.skinny_gemm_lh12 import pack_for_kernel, prepare_lh12
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
-from specjax.weights.lh12 import LAYOUT, encode_jax
+from specjax.weights.lh12 import LAYOUT
 
 GROUPS = ("attn", "mlp", "head")
 FORMATS = ("bf16", "lh12")
@@ -64,11 +64,11 @@ def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool, con
     cfg = config_for(shape, fmt, tiles, configs)
     w = jnp.asarray(w, jnp.bfloat16)
     if fmt == "lh12":
-        packed = encode_jax(jax.lax.bitcast_convert_type(w, jnp.uint16))
+        packed, permuted = pack_for_kernel(jax.lax.bitcast_convert_type(w, jnp.uint16), cfg)
         segs = shape[0] * -(-shape[1] // LAYOUT.segment)
         frac = packed.n_escape / max(segs, 1)
         if frac <= LAYOUT.max_escape_fraction:
-            return prepare_lh12(packed, cfg, interpret), TensorReport(
+            return prepare_lh12(packed, cfg, interpret, permuted), TensorReport(
                 name, shape, "lh12", packed.bits_per_weight, cfg, f"{frac:.2%} escape segments")
         reason = f"{frac:.1%} escape segments (limit {LAYOUT.max_escape_fraction:.0%}): kept bf16"
         cfg = config_for(shape, "bf16", tiles, configs)
