@@ -36,13 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.skinny_gemm import prepare_bf16, skinny_gemm  # noqa: E402
-from pallas_kernels.skinny_gemm_lh12 import prepare_lh12, skinny_gemm_lh12  # noqa: E402
+from pallas_kernels.skinny_gemm_lh12 import (natural_order, pack_for_kernel, prepare_lh12,  # noqa: E402
+                                             skinny_gemm_lh12)
 from specjax.profiling import by_name, device_kernel_events  # noqa: E402
 from specjax.provenance import code_commit  # noqa: E402
 from specjax.search.kernel_timer import looped, random_bits  # noqa: E402
 from specjax.search.kernel_timer import median_seconds as timed  # noqa: E402
 from specjax.search.kernel_tuner import tuned_config  # noqa: E402
-from specjax.weights.lh12 import encode_jax  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
 TOKENS = [1, 16]
@@ -151,7 +151,8 @@ def gemv_part() -> dict:
         formats = {
             "xla": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), w16),
             "ours_bf16": (skinny_gemm, [prepare_bf16(w, c16, INTERPRET) for w in w16]),
-            "ours_lh12": (skinny_gemm_lh12, [prepare_lh12(encode_jax(b), c12, INTERPRET) for b in bits]),
+            "ours_lh12": (skinny_gemm_lh12, [prepare_lh12(*pack_for_kernel(b, c12)[:1], c12, INTERPRET,
+                                                          natural_order(shape, c12)) for b in bits]),
         }
         reps = max(2, int(2e-3 / (nbytes / 4e12 * copies)))
         entry = {"copies": copies, "fori_reps": reps, "config_bf16": str(c16), "config_lh12": str(c12)}
