@@ -147,9 +147,8 @@ def unprepare_bf16(gw: GemmWeight) -> jax.Array:
 
 def as_operand(x: jax.Array, g: Geometry) -> jax.Array:
     """x [T, K] -> bf16 [T, Kp]. Rows are not padded, so a decode step runs no pad kernel before
-    each GEMM: the last row chunk reads its missing rows as copies of row T - 1 (`_chunk_index`);
-    the kernels write Tp = 16 * row_chunks(T) rows and the caller keeps the first T (a slice XLA
-    fuses into the split-K sum or the consumer). Columns are padded only when Kp > K."""
+    each GEMM: the last row chunk reads its missing rows as copies of row T - 1 (`_chunk_index`)
+    and writes their (equal) results back to row T - 1. Columns are padded only when Kp > K."""
     x = x.astype(jnp.bfloat16)
     return x if g.kp == g.k else jnp.pad(x, ((0, 0), (0, g.kp - g.k)))
 
@@ -171,19 +170,19 @@ def _chunk_index(c: int, t: int, col, width: int):
 
 
 def sum_partials(partials: jax.Array) -> jax.Array:
-    """[split_k, Tp, columns] float32 -> [Tp, columns], added in split order (both kernels)."""
+    """[split_k, T, columns] float32 -> [T, columns], added in split order (both kernels)."""
     y = partials[0]
     for s in range(1, partials.shape[0]):
         y = y + partials[s]
     return y
 
 
-def finish(partials: jax.Array, g: Geometry, t: int) -> jax.Array:
-    """12-bit kernel: [split_k, Tp, 8 * Mp] float32 partials (stripe-major) -> y [T, N]."""
+def finish(partials: jax.Array, g: Geometry) -> jax.Array:
+    """12-bit kernel: [split_k, T, 8 * Mp] float32 partials (stripe-major) -> y [T, N]."""
     y = sum_partials(partials)
     if (STRIPES * g.m, g.mp) != (g.n, g.m):
         y = y.reshape(-1, STRIPES, g.mp)[:, :, :g.m].reshape(-1, STRIPES * g.m)[:, :g.n]
-    return y[:t]
+    return y
 
 
 def chunked_dots(xs, tiles, accs):
@@ -196,20 +195,28 @@ def chunked_dots(xs, tiles, accs):
     return tuple(out)
 
 
-def store_wide(o_ref, accs, cfg: GemmConfig, chunks: int):
+def _store(o_ref, c: int, t: int, col, width: int, acc):
+    """Rows [16 c, 16 c + 16) of partial s = program_id(1), columns [col, col + width). In the
+    last, partial chunk rows >= t hold bitwise copies of row t - 1's result (`_chunk_index`), so
+    they are stored to row t - 1 as well: the same bits to the same place, and the output holds
+    only the T real rows (no padded rows written to HBM, read back and sliced off)."""
+    rows, cols = _chunk_index(c, t, col, width)
+    o_ref[pl.program_id(1), rows, cols] = acc
+
+
+def store_wide(o_ref, accs, cfg: GemmConfig, t: int):
     """Chunk accumulators [16, block_n] -> columns [j * block_n, (j + 1) * block_n) of partial s."""
-    j, s = pl.program_id(0), pl.program_id(1)
-    n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
-    for c in range(chunks):
-        o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(n0, cfg.block_n)] = accs[c]
+    n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
+    for c in range(row_chunks(t)):
+        _store(o_ref, c, t, n0, cfg.block_n, accs[c])
 
 
-def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, chunks: int):
-    j, s = pl.program_id(0), pl.program_id(1)
+def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, t: int):
+    j, chunks = pl.program_id(0), row_chunks(t)
     for i in range(STRIPES):
         col = pl.multiple_of(i * g.mp + j * cfg.block_m, cfg.block_m)
         for c in range(chunks):
-            o_ref[s, pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, cfg.block_m)] = accs[i * chunks + c]
+            _store(o_ref, c, t, col, cfg.block_m, accs[i * chunks + c])
 
 
 def x_chunks(x_ref, k0, cfg: GemmConfig, t: int):
@@ -235,7 +242,7 @@ def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, t: int):
 
     zero = jnp.zeros((ROW_CHUNK, cfg.block_n), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * row_chunks(t))
-    store_wide(o_ref, accs, cfg, row_chunks(t))
+    store_wide(o_ref, accs, cfg, t)
 
 
 @jax.jit
@@ -247,13 +254,14 @@ def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
     t = x.shape[0]
     partials = pl.pallas_call(
         functools.partial(_bf16_kernel, g=g, cfg=cfg, t=t),
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, row_chunks(t) * ROW_CHUNK, g.npad), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, g.npad), jnp.float32),
         grid=(g.npad // cfg.block_n, cfg.split_k),
         compiler_params=compiler_params(cfg, gw.interpret),
         interpret=gw.interpret,
         name="skinny_gemm_bf16",
     )(as_operand(x, g), gw.w)
-    return sum_partials(partials)[:t, :g.n]
+    y = sum_partials(partials)
+    return y if g.npad == g.n else y[:, :g.n]
 
 
 def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -261,9 +261,9 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
     zero = jnp.zeros((ROW_CHUNK, width), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * ((1 if cfg.one_dot else STRIPES) * row_chunks(t)))
     if cfg.one_dot:  # partials in super-word order: column 8 m + i is output column i * Mp + m
-        store_wide(o_ref, accs, cfg, row_chunks(t))
+        store_wide(o_ref, accs, cfg, t)
     else:
-        store_accs(o_ref, accs, g, cfg, row_chunks(t))
+        store_accs(o_ref, accs, g, cfg, t)
 
 
 @jax.jit
@@ -274,23 +274,23 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
     t = x.shape[0]
-    tp = row_chunks(t) * ROW_CHUNK
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
                                t=t, interpret=lw.interpret)
     partials = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, tp, STRIPES * g.mp), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, STRIPES * g.mp), jnp.float32),
         grid=(g.mp // cfg.block_m, cfg.split_k),
         compiler_params=compiler_params(cfg, lw.interpret),
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
     )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
     if lw.natural:  # stored order is W's own column order
-        return sum_partials(partials)[:t, :g.n]
+        y = sum_partials(partials)
+        return y if STRIPES * g.mp == g.n else y[:, :g.n]
     if cfg.one_dot:  # super-word order -> stripe order, fused by XLA into the split-K sum
-        partials = partials.reshape(cfg.split_k, tp, g.mp, STRIPES).transpose(0, 1, 3, 2)
-        partials = partials.reshape(cfg.split_k, tp, STRIPES * g.mp)
-    return finish(partials, g, t)
+        partials = partials.reshape(cfg.split_k, t, g.mp, STRIPES).transpose(0, 1, 3, 2)
+        partials = partials.reshape(cfg.split_k, t, STRIPES * g.mp)
+    return finish(partials, g)
 
 
 def skinny_gemm_lh12_reference(x: jax.Array, p: Packed12) -> jax.Array:
