@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding.ar import ar_decode, ar_prefill
-from specjax.decoding.chain import Forced, chain_decode, chain_prefill
-from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_bucket
+from specjax.decoding.ar import ar_decode, ar_prefill, ar_start  # noqa: F401 - ar_prefill: API
+from specjax.decoding.chain import Forced, chain_decode, chain_prefill, chain_start  # noqa: F401
+from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_bucket, prompt_pass
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
@@ -36,6 +36,8 @@ def pooled_tau(results) -> float:
         return 1.0
     return float((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum())
 
+
+_SHARED_PROGRAMS: dict = {}  # compiled programs every Decoder of this process reuses (the prompt pass)
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -174,14 +176,18 @@ class Decoder:
     def _run(self, name, fn, static: dict, **args):
         """Compile `fn` for these argument shapes once (timed apart), then run it to completion.
         Returns (outputs, compile seconds, run seconds)."""
-        key = (name,) + tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
+        key = (name, tuple(sorted(static.items())), jax.tree.structure(args)) + tuple(
+            (x.shape, x.dtype) for x in jax.tree.leaves(args))
+        # the prompt pass is compiled once per process, not per decoder: AR and speculative
+        # decoders then run the very same executable over the prompt (sequences.prompt_pass)
+        compiled = _SHARED_PROGRAMS if name == "prompt_pass" else self._compiled
         compile_s = 0.0
-        if key not in self._compiled:
+        if key not in compiled:
             t = time.perf_counter()
-            self._compiled[key] = fn.lower(**args, **static).compile()
+            compiled[key] = fn.lower(**args, **static).compile()
             compile_s = time.perf_counter() - t
         t = time.perf_counter()
-        out = jax.block_until_ready(self._compiled[key](**args))
+        out = jax.block_until_ready(compiled[key](**args))
         return out, compile_s, time.perf_counter() - t
 
     # ------------------------------------------------------------------ generation
@@ -194,17 +200,23 @@ class Decoder:
         key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))
         cfg, gen = self.cfg, self.gen
         static = dict(cfg=cfg, gen=gen)
+        # the prompt in its own program, the same for AR and every drafter (sequences.prompt_pass)
+        taps = tuple(getattr(self.drafter, "taps", ()) or ())
+        (cache, logits, features), c0, pass_s = self._run(
+            "prompt_pass", prompt_pass, dict(cfg=cfg, taps=taps), params=self.params, prompt=prompt,
+            prompt_len=prompt_len)
+        start = dict(gen=gen, num_slots=num_slots)
         if self.drafter is None:
             (cache, seqs), c1, prefill_s = self._run(
-                "ar_prefill", ar_prefill, dict(static, num_slots=num_slots), params=self.params,
-                prompt=prompt, prompt_len=prompt_len, key=key_p)
+                "ar_start", ar_start, start, cache=cache, logits=logits, prompt=prompt,
+                prompt_len=prompt_len, key=key_p)
             (seqs, steps), c2, decode_s = self._run(
                 "ar_decode", ar_decode, static, params=self.params, cache=cache, seqs=seqs, key=key_d)
             stats = None
         else:
             (cache, dstate, seqs), c1, prefill_s = self._run(
-                "chain_prefill", chain_prefill, dict(static, num_slots=num_slots), target=self.params,
-                drafter=self.drafter, prompt=prompt, prompt_len=prompt_len, key=key_p)
+                "chain_start", chain_start, start, drafter=self.drafter, cache=cache, logits=logits,
+                features=features, prompt=prompt, prompt_len=prompt_len, key=key_p)
         if self.drafter is not None:
             if forced is not None:
                 from specjax.forcing import force_first_token
@@ -219,7 +231,7 @@ class Decoder:
                     "chain_decode", chain_decode, static, target=self.params, drafter=self.drafter,
                     cache=cache, dstate=dstate, seqs=seqs, key=key_d, forced=forced)
             steps = int(np.max(np.asarray(stats.rounds)))
-        compile_s = c1 + c2
+        compile_s, prefill_s = c0 + c1 + c2, pass_s + prefill_s
         tokens_np = np.asarray(seqs.tokens)
         length, plen = np.asarray(seqs.length), np.asarray(seqs.prompt_len)
         margins_np = np.asarray(seqs.margins)

@@ -152,3 +152,18 @@ def test_bfloat16_target_chain_equals_ar(drafter_kind):
     drafter = NgramDrafter(k=4) if drafter_kind == "ngram" else layer_skip_drafter(params, cfg, 2, 4)
     report = check_token_forcing(Decoder(cfg, params, gen, drafter), prompts, reference, tolerance=0.05)
     assert report.passed, report.summary()
+
+
+def test_ar_and_speculative_decoders_share_one_prompt_program():
+    """The prompt's K/V must be the same bits for AR and every drafter: one compiled prompt pass
+    per process (separately compiled prefills differed in bf16 on the GPU, 2026-12-06)."""
+    from specjax.engine import _SHARED_PROGRAMS
+    cfg, params = tiny_model(seed=6)
+    gen = GenerationConfig(max_new_tokens=8)
+    prompts = [[3, 4, 5, 3, 4, 7, 1, 2, 9, 10, 11]]  # a prompt length no other test compiles
+    before = {k for k in _SHARED_PROGRAMS if k[0] == "prompt_pass"}
+    ar = Decoder(cfg, params, gen).generate(prompts)
+    spec = Decoder(cfg, params, gen, NgramDrafter(k=5)).generate(prompts)
+    new = {k for k in _SHARED_PROGRAMS if k[0] == "prompt_pass"} - before
+    assert len(new) == 1, new
+    assert spec.tokens == ar.tokens

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill
+from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill, start_sequences
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
@@ -33,6 +33,12 @@ def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache:
 def ar_prefill(params, cfg, gen, prompt, prompt_len, key, num_slots):
     cache, seqs, _, _ = prefill(params, cfg, gen, prompt, prompt_len, num_slots, key)
     return cache, seqs
+
+
+@functools.partial(jax.jit, static_argnames=("gen", "num_slots"))
+def ar_start(gen, cache, logits, prompt, prompt_len, key, num_slots):
+    """`ar_prefill` after a shared `prompt_pass` (what `Decoder` runs: see sequences.prompt_pass)."""
+    return start_sequences(gen, cache, logits, prompt, prompt_len, num_slots, key)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen"))

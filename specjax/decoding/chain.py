@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill
+from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill, start_sequences
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
@@ -125,6 +125,14 @@ def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots)
     extra = {"features": features} if taps else {}
     dstate = drafter.init(prompt, prompt_len, num_slots, **extra)
     return cache, dstate, seqs
+
+
+@functools.partial(jax.jit, static_argnames=("gen", "num_slots"))
+def chain_start(drafter, gen, cache, logits, features, prompt, prompt_len, key, num_slots):
+    """`chain_prefill` after a shared `prompt_pass` (what `Decoder` runs: see sequences.prompt_pass)."""
+    cache, seqs = start_sequences(gen, cache, logits, prompt, prompt_len, num_slots, key)
+    extra = {"features": features} if getattr(drafter, "taps", ()) else {}
+    return cache, drafter.init(prompt, prompt_len, num_slots, **extra), seqs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "gen"))

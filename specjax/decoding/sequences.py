@@ -96,30 +96,69 @@ def commit(seqs: Sequences, new_tokens: jax.Array, num_new: jax.Array, gen: Gene
                      done=seqs.done | finished, margins=margins)
 
 
-def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt: jax.Array,
-            prompt_len: jax.Array, num_slots: int, key: jax.Array, taps: tuple[int, ...] = ()
-            ) -> tuple[KVCache, Sequences, jax.Array, jax.Array | None]:
-    """Run the target over the (right-padded) prompts and choose each row's first token.
+def prompt_forward(params: ModelParams, cfg: ModelConfig, prompt: jax.Array, prompt_len: jax.Array,
+                   taps: tuple[int, ...] = ()) -> tuple:
+    """The target over the (right-padded) prompts, in a cache of exactly P slots.
 
-    Returns (cache, sequences, first-token logits [B, V], tapped hidden states over the prompt
-    [B, P, len(taps) * D] for block drafters, None without `taps`). Padding slots get K/V too;
-    they sit past `length` and are overwritten before they could be read. A hybrid target's
-    recurrent layers see each row's real tokens only.
+    Returns (cache [P slots], each row's last-prompt-token logits [B, V], tapped hidden states over
+    the prompt [B, P, len(taps) * D] for block drafters, None without `taps`). Padding slots get
+    K/V too; they sit past `length` and are overwritten before they could be read. A hybrid
+    target's recurrent layers see each row's real tokens only. Nothing here depends on the
+    decoder (k, slot count, drafter), so `prompt_pass` runs it as one program that AR and every
+    speculative decoder share.
     """
     B, P = prompt.shape
-    cache = init_target_cache(cfg, B, num_slots)
+    cache = init_target_cache(cfg, B, P)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, features, cache = target_forward(params, cfg, prompt, positions, cache,
                                              jnp.zeros(B, jnp.int32), taps, valid=prompt_len)
     last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
-    logits = target_logits(params, cfg, last)
+    return cache, target_logits(params, cfg, last), features
+
+
+# One compiled program for the prompt whichever decoder runs next: when AR and a speculative
+# decoder each compiled their own prefill (other slot counts, a drafter's init beside it), XLA
+# could build the prompt's GEMMs differently in each (it autotunes per program), and in bf16 the
+# prompt's K/V then differed in the last bits: near-tie tokens flipped between AR and
+# speculative runs that were exact step for step (H100, 2026-12-06, docs/notes/perf.md).
+prompt_pass = jax.jit(prompt_forward, static_argnames=("cfg", "taps"))
+
+
+def grow_cache(cache, num_slots: int):
+    """A cache's K/V [B, S, H, hd] padded with zero slots to `num_slots` (recurrent state as is)."""
+    extra = num_slots - cache.k[0].shape[1] if cache.k else 0
+    if extra < 0:
+        raise ValueError(f"cannot shrink a {cache.k[0].shape[1]}-slot cache to {num_slots} slots")
+    if extra == 0:
+        return cache
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    return dataclasses.replace(cache, k=[pad(a) for a in cache.k], v=[pad(a) for a in cache.v])
+
+
+def start_sequences(gen: GenerationConfig, cache, logits: jax.Array, prompt: jax.Array,
+                    prompt_len: jax.Array, num_slots: int, key: jax.Array):
+    """After the prompt pass: the cache grown to `num_slots`, each row's first token chosen and
+    committed -> (cache, sequences)."""
+    B, P = prompt.shape
     first = choose_token(logits, gen.sampling, key)
     tokens = jnp.zeros((B, num_slots), jnp.int32).at[:, :P].set(prompt)
     seqs = Sequences(tokens=tokens, length=prompt_len, prompt_len=prompt_len,
                      done=jnp.zeros(B, bool), margins=jnp.full((B, num_slots), jnp.inf, jnp.float32))
     seqs = commit(seqs, first[:, None], jnp.ones(B, jnp.int32), gen, margins=top2_margin(logits)[:, None])
+    return grow_cache(cache, num_slots), seqs
+
+
+def prefill(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, prompt: jax.Array,
+            prompt_len: jax.Array, num_slots: int, key: jax.Array, taps: tuple[int, ...] = ()
+            ) -> tuple[KVCache, Sequences, jax.Array, jax.Array | None]:
+    """`prompt_forward` then `start_sequences`, inline (for callers inside one jit).
+
+    Returns (cache, sequences, first-token logits [B, V], tapped features or None)."""
+    cache, logits, features = prompt_forward(params, cfg, prompt, prompt_len, taps)
+    cache, seqs = start_sequences(gen, cache, logits, prompt, prompt_len, num_slots, key)
     return cache, seqs, logits, features
 
 
-__all__ = ["GenerationConfig", "Sequences", "prefill", "commit", "num_slots_for", "prompt_bucket",
+__all__ = ["GenerationConfig", "Sequences", "prefill", "prompt_forward", "prompt_pass", "start_sequences",
+           "grow_cache", "commit", "num_slots_for", "prompt_bucket",
            "stop_hit", "read_rows"]
