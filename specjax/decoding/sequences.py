@@ -117,10 +117,10 @@ def prompt_forward(params: ModelParams, cfg: ModelConfig, prompt: jax.Array, pro
 
 
 # One compiled program for the prompt whichever decoder runs next: when AR and a speculative
-# decoder each compiled their own prefill (other slot counts, a drafter's init beside it), XLA
-# could build the prompt's GEMMs differently in each (it autotunes per program), and in bf16 the
-# prompt's K/V then differed in the last bits: near-tie tokens flipped between AR and
-# speculative runs that were exact step for step (H100, 2026-12-06, docs/notes/perf.md).
+# decoder each compile their own prefill (other slot counts, a drafter's init beside it), XLA may
+# build the prompt's GEMMs differently in each (it autotunes per program; prompts over 1024 rows
+# leave our kernels), and in bf16 the prompt's K/V could then differ in the last bits, enough to
+# flip a near-tie token between AR and speculative runs (docs/notes/perf.md, 2026-12-06).
 prompt_pass = jax.jit(prompt_forward, static_argnames=("cfg", "taps"))
 
 
