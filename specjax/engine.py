@@ -109,15 +109,16 @@ class Decoder:
         specjax/trees/builders.py) or a `TreeShape` (the static builder), any drafter with
         per-position distributions (block_logits or propose_logits).
         mesh: a 1-D "tp" mesh (specjax.sharding.tp.tp_mesh): the target's weights are split over
-        it (tensor parallelism; XLA partitions the same step functions), the drafter's replicated,
-        or split by the same rules with shard_drafter (docs/design/tensor_parallel.md)."""
+        it (tensor parallelism; XLA partitions the same step functions, and with kernels the
+        bf16 GEMMs run one per device in shard_map), the drafter's replicated, or split by the
+        same rules with shard_drafter (docs/design/tensor_parallel.md)."""
         self.kernels = resolve_kernels(kernels, cfg)
         self.shard_report = None
         if mesh is not None:
-            if self.kernels != "xla":
+            if self.kernels != "xla" and is_hybrid(cfg):
                 raise NotImplementedError(
-                    "tensor parallelism with the Pallas kernels (pallas_call is not partitioned by "
-                    "XLA; each kernel needs a shard_map): use kernels='xla' with a mesh")
+                    "tensor parallelism with the hybrid target's Pallas kernels (attention, tree "
+                    "GDN): not split per device yet; use kernels='xla' with a mesh")
             from specjax.sharding.tp import replicate, shard_params
             params, self.shard_report = shard_params(params, mesh)
             if drafter is not None:
@@ -130,7 +131,8 @@ class Decoder:
         elif self.kernels != "xla":
             from specjax.models.kernel_params import prepare_kernel_params
             params, self.kernel_report = prepare_kernel_params(
-                params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret")
+                params, cfg, weights_format, kernel_tiles, interpret=self.kernels == "interpret",
+                mesh=mesh)
         if drafter is not None and cfg.dtype == "bfloat16" and (self.kernels == "xla" or is_hybrid(cfg)):
             warnings.warn(BF16_ON_XLA, stacklevel=2)  # hybrid targets run XLA's GEMMs on every path
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
@@ -177,7 +179,7 @@ class Decoder:
         """Compile `fn` for these argument shapes once (timed apart), then run it to completion.
         Returns (outputs, compile seconds, run seconds)."""
         key = (name, tuple(sorted(static.items())), jax.tree.structure(args)) + tuple(
-            (x.shape, x.dtype) for x in jax.tree.leaves(args))
+            (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(args))
         # the prompt pass is compiled once per process, not per decoder: AR and speculative
         # decoders then run the very same executable over the prompt (sequences.prompt_pass)
         compiled = _SHARED_PROGRAMS if name == "prompt_pass" else self._compiled

@@ -79,10 +79,12 @@ def _prepare(name: str, w: jax.Array, fmt: str, tiles: str, interpret: bool, con
 
 def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[str, str] | None = None,
                           tiles: str = "default", interpret: bool = False,
-                          configs: Configs | None = None) -> tuple[ModelParams, list[TensorReport]]:
+                          configs: Configs | None = None, mesh=None) -> tuple[ModelParams, list[TensorReport]]:
     """params with every matrix as a kernel weight, and what each became. `interpret` runs the
     kernels in Pallas interpret mode (CPU tests); otherwise they need a GPU. `configs` pins
-    (shape, format) -> config (benchmarks use their sweep's winners)."""
+    (shape, format) -> config (benchmarks use their sweep's winners). `mesh`: a "tp" mesh the
+    params are already placed on (specjax.sharding.tp.shard_params): bf16 matrices the rules split
+    become `TPGemmWeight`s (one kernel per device, specjax/sharding/tp_kernels.py)."""
     if cfg.dtype != "bfloat16":
         raise ConfigError(f"the Pallas kernels read bf16 weights; this model is {cfg.dtype} "
                           "(load it with dtype bfloat16)")
@@ -90,16 +92,29 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
     for group, fmt in formats.items():
         if group not in GROUPS or fmt not in FORMATS:
             raise ConfigError(f"weight format {group}={fmt!r}: groups are {GROUPS}, formats {FORMATS}")
+    if mesh is not None and "lh12" in formats.values():
+        raise NotImplementedError("12-bit weights under a tensor-parallel mesh: the planes are not "
+                                  "split per device yet (docs/design/tensor_parallel.md); use bf16")
+
+    def prepare(label, field, w, fmt):
+        if mesh is not None:
+            from specjax.sharding.tp_kernels import tp_kernel_weight
+            tw = tp_kernel_weight(field, w, mesh, lambda shape: config_for(shape, fmt, tiles, configs),
+                                  interpret)
+            if tw is not None:
+                return tw, TensorReport(label, tw.shape, fmt, 16.0, tw.config,
+                                        f"{tw.mode}-parallel over {mesh.shape['tp']} devices")
+        return _prepare(label, w, fmt, tiles, interpret, configs)
+
     report, layers = [], []
     for i, layer in enumerate(params.layers):
         new = {}
         for field, group in GROUP_OF.items():
-            new[field], r = _prepare(f"layers.{i}.{field}", getattr(layer, field), formats[group],
-                                     tiles, interpret, configs)
+            new[field], r = prepare(f"layers.{i}.{field}", field, getattr(layer, field), formats[group])
             report.append(r)
         layers.append(dataclasses.replace(layer, **new))
     head = params.embed.T if params.lm_head is None else params.lm_head
-    lm_head, r = _prepare("lm_head", head, formats["head"], tiles, interpret, configs)
+    lm_head, r = prepare("lm_head", "lm_head", head, formats["head"])
     report.append(r)
     mode = "interpret" if interpret else "pallas"
     return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=mode, norm=mode), report

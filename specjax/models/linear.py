@@ -14,16 +14,18 @@ import jax.numpy as jnp
 
 from pallas_kernels.skinny_gemm import GemmWeight, skinny_gemm, unprepare_bf16
 from pallas_kernels.skinny_gemm_lh12 import Lh12GemmWeight, dense_lh12, skinny_gemm_lh12
+from specjax.sharding.tp_kernels import TPGemmWeight, tp_gemm
 
 SLAB = 64  # rows per kernel call: 4 tensor-core row chunks, what the accumulators fit
 MAX_SLABS = 16  # more rows: XLA (the weights are read once per slab). 16: a batch of 32 verifying
 # trees of 16 nodes (544 rows) stays on the kernels, so it rounds as its AR steps do
 
-KernelWeight = GemmWeight | Lh12GemmWeight
+KernelWeight = GemmWeight | Lh12GemmWeight | TPGemmWeight
+_GEMMS = {GemmWeight: skinny_gemm, Lh12GemmWeight: skinny_gemm_lh12, TPGemmWeight: tp_gemm}
 
 
 def is_kernel_weight(w) -> bool:
-    return isinstance(w, (GemmWeight, Lh12GemmWeight))
+    return isinstance(w, (GemmWeight, Lh12GemmWeight, TPGemmWeight))
 
 
 def dense(w) -> jax.Array:
@@ -32,6 +34,8 @@ def dense(w) -> jax.Array:
         return unprepare_bf16(w)
     if isinstance(w, Lh12GemmWeight):
         return dense_lh12(w)
+    if isinstance(w, TPGemmWeight):
+        return w.w  # sharded: XLA partitions the dense GEMM itself
     return w
 
 
@@ -47,6 +51,6 @@ def linear(x: jax.Array, w) -> jax.Array:
     if rows > SLAB * MAX_SLABS:
         y = jnp.dot(x2.astype(jnp.bfloat16), dense(w), preferred_element_type=jnp.float32)
     else:
-        gemm = skinny_gemm if isinstance(w, GemmWeight) else skinny_gemm_lh12
+        gemm = _GEMMS[type(w)]
         y = jnp.concatenate([gemm(x2[i:i + SLAB], w) for i in range(0, rows, SLAB)], axis=0)
     return y.astype(x.dtype).reshape(*lead, w.shape[1])
