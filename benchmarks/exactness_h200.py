@@ -1,6 +1,7 @@
 """Where does a verify step stop matching AR steps bit for bit? (device diagnostic)
 
     python benchmarks/exactness_h200.py [--model FILE.gguf] [--kernels pallas|xla] [--width 8] [--batch 2]
+                                        [--prompt-len 64]
 
 Runs one verify step over W tokens and W AR steps over the same tokens from the same cache, and
 compares, bitwise, the residual stream after every layer and the logits, row by row; then the
@@ -43,15 +44,18 @@ def main():
     ap.add_argument("--kernels", default="xla", choices=["xla", "pallas", "interpret"])
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2, help="rows per call of the step comparison")
+    ap.add_argument("--prompt-len", type=int, default=64,
+                    help="context before the verified tokens (> 256 crosses the attention kernel's splits)")
     args = ap.parse_args()
     cfg, params = model(args)
     if args.kernels != "xla":
         from specjax.models.kernel_params import prepare_kernel_params
         params, _ = prepare_kernel_params(params, cfg, interpret=args.kernels == "interpret")
     res = {"meta": {"model": args.model or "random SmolLM2-shaped, 4 layers", "kernels": args.kernels,
-                    "width": args.width, "batch": args.batch, "jax": jax.__version__,
+                    "width": args.width, "batch": args.batch, "prompt_len": args.prompt_len,
+                    "jax": jax.__version__,
                     "device": jax.devices()[0].device_kind},
-           "step": step_vs_ar(params, cfg, args.width, batch=args.batch), "ops": ops_vs_width(params, cfg, args.width),
+           "step": step_vs_ar(params, cfg, args.width, prompt_len=args.prompt_len, batch=args.batch), "ops": ops_vs_width(params, cfg, args.width),
            "norm": norm_vs_rows(params, cfg, args.width, args.batch)}
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)

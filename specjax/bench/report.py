@@ -52,6 +52,11 @@ def markdown(result: dict) -> str:
     if failed:
         lines += ["", "Runs that failed the forcing gate (no speedup reported):", ""]
         lines += [f"- {r['set']} B={r['batch']} {r['method']}: {r['note']}" for r in failed]
+    ties = [r for r in result["rows"] if r["lossless"] and "near-tie" in r.get("note", "")]
+    if ties:
+        lines += ["", "Runs that passed the gate with near-tie differences (not bit for bit; their "
+                  "free-running tokens may part from AR's after one):", ""]
+        lines += [f"- {r['set']} B={r['batch']} {r['method']}: {r['note']}" for r in ties]
     return "\n".join(lines) + "\n"
 
 
