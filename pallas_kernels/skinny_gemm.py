@@ -161,7 +161,7 @@ def _chunk_index(c: int, t: int, col, width: int):
     """Row and column indexers of chunk c's [16, width] block of x at column `col`: plain slices
     when all 16 rows exist, else index arrays whose rows past T - 1 repeat row T - 1. A tensor-core
     dot computes each row from its own x row alone, so the repeats only produce copies of row
-    T - 1's result in output rows T..Tp - 1, which the caller slices off: rows < T come out as
+    T - 1's result, which `_store` writes back to row T - 1 (the same bits): rows < T come out as
     with zero padding, bit for bit."""
     if (c + 1) * ROW_CHUNK <= t:
         return pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, width)
@@ -220,7 +220,7 @@ def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, t: int):
 
 
 def x_chunks(x_ref, k0, cfg: GemmConfig, t: int):
-    """The activation rows as 16-row chunks [16, block_k] (see `_chunk_rows`)."""
+    """The activation rows as 16-row chunks [16, block_k] (see `_chunk_index`)."""
     return [x_ref[_chunk_index(c, t, k0, cfg.block_k)] for c in range(row_chunks(t))]
 
 
