@@ -2,7 +2,9 @@
 exclude compilation), runs prefill and the on-device decode loop, and unpacks results.
 
 The jitted pieces (`ar_prefill`/`ar_decode`, `chain_prefill`/`chain_decode`) are what a JAX serving
-stack embeds; this class is the convenience layer for the CLI, benchmarks and tests.
+stack embeds; this class is the convenience layer for the CLI, benchmarks and tests. It runs the
+prefill in two parts, `sequences.prompt_pass` (one program shared by every decoder) and then
+`ar_start` or `chain_start`, so AR and speculative runs read the same prompt K/V.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding.ar import ar_decode, ar_prefill, ar_start  # noqa: F401 - ar_prefill: API
-from specjax.decoding.chain import Forced, chain_decode, chain_prefill, chain_start  # noqa: F401
+from specjax.decoding.ar import ar_decode, ar_start
+from specjax.decoding.chain import Forced, chain_decode, chain_start
 from specjax.decoding.sequences import GenerationConfig, num_slots_for, prompt_bucket, prompt_pass
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
