@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import os
@@ -64,6 +65,7 @@ CONTEXT = 1024
 DEVICE = None  # tile cache to read (memory_store/kernels/<device>.json); None: this device's
 KERNEL_ONLY = False  # --timers kernel: skip the fori and unrolled wall-clock harnesses
 FINISH_BY_S = float("inf")  # start no new measurement after this many seconds
+STEP_TOKENS = (1, 16, 64)  # --step-tokens
 
 
 def log(*a):
@@ -188,6 +190,30 @@ def gemv_part() -> dict:
     return res
 
 
+def rows_part() -> dict:
+    """Correctness first: under this device's tuned configs (wide-step settings included), rows of
+    a 64-row GEMM equal 1-row GEMMs bit for bit, and the 12-bit kernel equals the bf16 one."""
+    res = {}
+    for shape in SHAPES:
+        k, n = shape
+        bits = random_bits(jax.random.PRNGKey(k * 7 + n), shape)
+        w16 = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+        c16, c12 = tuned_config(shape, "bf16", device=DEVICE), tuned_config(shape, "lh12", device=DEVICE)
+        gw = prepare_bf16(w16, c16, INTERPRET)
+        lw = prepare_lh12(*pack_for_kernel(bits, c12)[:1], c12, INTERPRET, natural_order(shape, c12))
+        x = jax.random.normal(jax.random.PRNGKey(1), (64, k), jnp.bfloat16)
+        u32 = lambda y: np.asarray(y, np.float32).view(np.uint32)
+        wide16, wide12 = u32(skinny_gemm(x, gw)), u32(skinny_gemm_lh12(x, lw))
+        rows_ok = all((u32(skinny_gemm(x[t:t + 1], gw))[0] == wide16[t]).all() and
+                      (u32(skinny_gemm_lh12(x[t:t + 1], lw))[0] == wide12[t]).all() for t in (0, 17, 63))
+        res[f"{k}x{n}"] = {"rows_bitwise": bool(rows_ok), "lh12_equals_bf16": bool((wide16 == wide12).all()),
+                           "wide_bf16": str(c16.wide), "wide_lh12": str(c12.wide)}
+        log("rows", f"{k}x{n}", res[f"{k}x{n}"])
+    RESULTS["rows"] = res
+    save()
+    return res
+
+
 # --------------------------------------------------------------------------- decode step
 
 def step_variants(names):
@@ -203,10 +229,12 @@ def step_variants(names):
     for name in names:
         if name == "xla":
             out[name] = params
-        else:
+        else:  # ours_<format>[_nowide]: _nowide drops the tuned wide-step settings (T > 16)
             fmt_ = name.split("_")[1]
+            cfgs = configs if not name.endswith("_nowide") else \
+                {k: dataclasses.replace(c, wide=None) for k, c in configs.items()}
             out[name], _ = prepare_kernel_params(params, cfg, {g: fmt_ for g in ("attn", "mlp", "head")},
-                                                 interpret=INTERPRET, configs=configs)
+                                                 interpret=INTERPRET, configs=cfgs)
     return cfg, out
 
 
@@ -239,6 +267,7 @@ def weight_bytes(params) -> int:
 
 
 def step_part(names, profile: bool = True, tokens=(1, 16, 64), reps: int = 8) -> dict:
+    tokens = STEP_TOKENS if profile else tokens
     cfg, variants = step_variants(names)
     read = RESULTS.get("read", {}).get("pallas_read", {}).get("kernel_TBps")
     out = {}
@@ -261,7 +290,8 @@ def step_part(names, profile: bool = True, tokens=(1, 16, 64), reps: int = 8) ->
                     cell.update(kernels_ms=busy, gaps_ms=wall * 1e3 - busy,
                                 kernels_per_step=sum(v[0] for v in evs.values()) / reps,
                                 by_kind_ms=dict(kinds),
-                                top=[(k, c / reps, s / reps * 1e6) for k, (c, s) in list(evs.items())[:12]])
+                                top=[(k, c / reps, s / reps * 1e6) for k, (c, s) in list(evs.items())[:12]],
+                                kernels=[(k, c / reps, s / reps * 1e6) for k, (c, s) in evs.items()])
                     if read:
                         cell["gemm_floor_ms"] = row["weight_bytes"] / (read * 1e12) * 1e3
                 row[f"T{t}"] = cell
@@ -312,7 +342,7 @@ def table():
             print(f"read {name:>12}: wall {r['wall_TBps']:.2f}, kernel {r.get('kernel_TBps', float('nan')):.2f} TB/s")
     print("\n8B step, ms: wall = kernels + gaps (kernels by kind)")
     for name, row in RESULTS.get("step", {}).items():
-        for t in (1, 16, 64):
+        for t in STEP_TOKENS:
             c = row.get(f"T{t}")
             if c and "kernels_ms" in c:
                 kinds = " ".join(f"{k}={v:.3f}" for k, v in c["by_kind_ms"].items())
@@ -330,12 +360,14 @@ def main():
     ap.add_argument("--tiles-of", help="read another device's tile cache (e.g. h200); default: this device's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
     ap.add_argument("--tokens", default="1,16", help="GEMV rows T to time (the step always runs T = 1, 16, 64)")
+    ap.add_argument("--step-tokens", default="1,16,64", help="rows T of the timed decode/verify steps")
     ap.add_argument("--timers", default="all", choices=["all", "kernel"],
                     help="kernel: GEMVs timed by the profiler only (no fori / unrolled wall clocks)")
     ap.add_argument("--finish-by-s", type=float, default=float("inf"),
                     help="start no new measurement after this many seconds (the rest is recorded as skipped)")
     args = ap.parse_args()
-    global DEVICE, TOKENS, KERNEL_ONLY, FINISH_BY_S
+    global DEVICE, TOKENS, KERNEL_ONLY, FINISH_BY_S, STEP_TOKENS
+    STEP_TOKENS = tuple(int(t) for t in args.step_tokens.split(","))
     DEVICE = args.tiles_of
     TOKENS = [int(t) for t in args.tokens.split(",")]
     KERNEL_ONLY = args.timers == "kernel"
@@ -354,6 +386,8 @@ def main():
     if "read" in parts:
         RESULTS["read"] = read_part()
         save()
+    if "rows" in parts:
+        rows_part()
     if "gemv" in parts:
         gemv_part()
     if "step" in parts:

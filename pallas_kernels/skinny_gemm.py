@@ -8,7 +8,9 @@ order, then the split_k partials added in order. A column's result does not depe
 columns share its dot, so the 12-bit kernel (skinny_gemm_lh12.py), which decodes 8 column stripes
 of block_n // 8 columns each, runs the same arithmetic per column and gives bitwise equal outputs
 on the same weights. `block_k` and `split_k` therefore are numerics, not just speed; `block_n`,
-`num_warps` and `num_stages` are speed only.
+`num_warps` and `num_stages` are speed only, so a config may carry other speed settings for wide
+steps (`GemmConfig.wide`, used for T > 16 rows: 4 row chunks of accumulators want other warps and
+tiles than 1), under the same numerics and the same weight layout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax.experimental import pallas as pl
 
 STRIPES = 8  # column stripes: LH12 super-words hold 8 weights (specjax/weights/lh12.py)
 ROW_CHUNK = 16  # rows per tensor-core dot; M = 16 keeps Triton on mma.sync for every T
+WIDE_ROWS = 16  # steps of more rows run GemmConfig.wide where a config has one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,9 @@ class GemmConfig:
     # LH12 only: join the 8 decoded stripe tiles into one [block_k, block_n] tile (columns in
     # super-word order) and run one dot per row chunk instead of 8 narrow ones
     one_dot: bool = False
+    # speed settings for steps of more than WIDE_ROWS rows (same numerics; `check_layout` keeps
+    # the weight's layout): None runs this config at every T
+    wide: "GemmConfig | None" = None
 
     def __post_init__(self):
         bm = self.block_n // STRIPES
@@ -55,6 +61,18 @@ class GemmConfig:
             raise ValueError(f"decode must be swar or prmt, got {self.decode!r}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+        if self.wide is not None:
+            if isinstance(self.wide, dict):  # from a JSON cache
+                object.__setattr__(self, "wide", GemmConfig(**self.wide))
+            if self.wide.wide is not None:
+                raise ValueError("a wide config has no wide config of its own")
+            if self.wide.numerics != self.numerics:
+                raise ValueError(f"wide config numerics {self.wide.numerics} differ from {self.numerics}: "
+                                 "AR and verify steps would round differently")
+
+    def for_rows(self, t: int) -> "GemmConfig":
+        """The settings a step of t rows runs with."""
+        return self.wide if self.wide is not None and t > WIDE_ROWS else self
 
     @property
     def block_m(self) -> int:
@@ -130,8 +148,25 @@ class GemmWeight:
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
+def check_layout(shape: tuple[int, int], config: GemmConfig, fmt: str = "bf16") -> None:
+    """Refuse a wide config that would need another weight layout than its base: bf16 pads N to
+    block_n (equal padded sizes suffice); LH12 also counts escapes per [block_k, block_m] tile and
+    packs columns by `one_dot`, so both must match."""
+    w = config.wide
+    if w is None:
+        return
+    gw, gb = Geometry.of(shape, w), Geometry.of(shape, config)
+    if fmt == "lh12":
+        same = gw == gb and (w.block_n, w.one_dot) == (config.block_n, config.one_dot)
+    else:
+        same = (gw.kp, gw.npad) == (gb.kp, gb.npad)
+    if not same:
+        raise ValueError(f"wide config {w} needs another {fmt} layout of {list(shape)} than {config}")
+
+
 def prepare_bf16(w: jax.Array, config: GemmConfig, interpret: bool = False) -> GemmWeight:
     """[K, N] weight -> GemmWeight (a copy only where padding is needed)."""
+    check_layout(tuple(w.shape), config)
     g = Geometry.of(tuple(w.shape), config)
     w = jnp.asarray(w, jnp.bfloat16)
     if (g.kp, g.npad) != (g.k, g.n):
@@ -248,10 +283,11 @@ def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, t: int):
 @jax.jit
 def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
     """x [T, K] (any float dtype, used as bf16) @ W -> float32 [T, N]."""
-    cfg, g = gw.config, Geometry.of(gw.shape, gw.config)
+    g = Geometry.of(gw.shape, gw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm: x is {list(x.shape)}, weight is {list(gw.shape)}")
     t = x.shape[0]
+    cfg = gw.config.for_rows(t)
     partials = pl.pallas_call(
         functools.partial(_bf16_kernel, g=g, cfg=cfg, t=t),
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, g.npad), jnp.float32),

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, chunked_dots,
-                                        as_operand, compiler_params, finish, row_chunks, store_accs,
-                                        store_wide, sum_partials, x_chunks)
+from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, as_operand,
+                                        check_layout, chunked_dots, compiler_params, finish, row_chunks,
+                                        store_accs, store_wide, sum_partials, x_chunks)
 from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax, encode_jax
 
 _U32 = np.uint32
@@ -103,6 +103,7 @@ def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False,
     """Pad a tensor's planes to the config's blocks and count escapes per tile. `p` holds W's planes,
     or, with `permuted`, those of W[:, to_stored_order] (`pack_for_kernel`); where `natural_order`
     holds and `p` is not permuted yet, it is decoded, permuted and encoded again here."""
+    check_layout(p.shape, config, "lh12")
     natural = natural_order(p.shape, config)
     if permuted and not natural:
         raise ValueError(f"planes permuted for natural order, but {config} on {p.shape} cannot use it")
@@ -270,10 +271,11 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
 def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     """x [T, K] (used as bf16) @ decode(W) -> float32 [T, N], bitwise equal to `skinny_gemm` on the
     decoded weight under a config with the same `numerics`."""
-    cfg, g = lw.config, Geometry.of(lw.shape, lw.config)
+    g = Geometry.of(lw.shape, lw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
     t = x.shape[0]
+    cfg = lw.config.for_rows(t)
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
                                t=t, interpret=lw.interpret)
     partials = pl.pallas_call(

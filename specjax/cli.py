@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from specjax.errors import ConfigError, SpecJaxError
@@ -197,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read bandwidth the gaps are measured to (default: this device's calibration, "
                         "else its nominal figure, else the H200's 4070)")
     t.add_argument("--memory", default="memory_store", help="memory store directory (cache: kernels/<device>.json)")
+    t.add_argument("--phase", choices=["pair", "wide", "both"], default="both",
+                   help="pair: the numerics and speed settings of T = 1 and 16 (one pair of bf16/12-bit "
+                        "configs per shape); wide: speed settings for T > 16 under the cached pair's "
+                        "numerics; both (default)")
     t.add_argument("--timer", choices=["kernel", "loop"], default="kernel",
                    help="kernel: the kernels' own durations from a profiler trace (default); loop: host "
                         "clock around a jit'd loop of calls, loop overhead included")
@@ -329,11 +334,21 @@ def cmd_tune_kernels(args) -> int:
     else:
         from specjax.search.kernel_timer import KernelTimer
         time_fn = KernelTimer(method=args.timer)
-    tuner = KernelTuner(time_fn, name, args.memory, ceiling=ceiling, budget_s=args.budget_s)
-    print(f"tuning {len(shapes)} shapes on {name} for {args.budget_s:.0f} s; ceiling {ceiling / 1e9:.0f} GB/s")
-    results = tuner.run(shapes)
-    tuned = sum(r.best is not None for r in results)
-    print(f"{tuned} of {len(shapes)} shapes tuned; cache {tuner.path}")
+    # both phases: two thirds of the budget to the pairs, the rest (and what they left) to wide steps
+    pair_s = args.budget_s * (2 / 3 if args.phase == "both" else 1.0)
+    print(f"tuning {len(shapes)} shapes on {name} for {args.budget_s:.0f} s ({args.phase}); "
+          f"ceiling {ceiling / 1e9:.0f} GB/s")
+    started = time.monotonic()
+    if args.phase in ("pair", "both"):
+        tuner = KernelTuner(time_fn, name, args.memory, ceiling=ceiling, budget_s=pair_s)
+        results = tuner.run(shapes)
+        tuned = sum(r.best is not None for r in results)
+        print(f"{tuned} of {len(shapes)} shapes tuned; cache {tuner.path}")
+    if args.phase in ("wide", "both"):
+        left = args.budget_s - (time.monotonic() - started)
+        tuner = KernelTuner(time_fn, name, args.memory, ceiling=ceiling, budget_s=max(left, 1.0))
+        results = tuner.run_wide(shapes)
+        print(f"wide steps (T = 64) tuned for {len(results)} of {len(shapes)} shapes; cache {tuner.path}")
     return 0
 
 

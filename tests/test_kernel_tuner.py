@@ -13,8 +13,8 @@ from specjax.atomic import CorruptFileError, write_json_atomic
 from specjax.cli import main
 from specjax.search.kernel_tuner import (BLOCK_K, BLOCK_N, MAX_K_PADDING, MIN_PROGRAMS, NUM_STAGES, NUM_WARPS,
                                          KernelTuner, cache_path, default_tiles, model_shapes,
-                                         numerics_candidates, parse_shapes, read_cache, speed_candidates,
-                                         tuned_config)
+                                         WIDE_TOKENS, numerics_candidates, parse_shapes, read_cache,
+                                         speed_candidates, tuned_config, wide_candidates)
 
 SHAPE = (4096, 4096)
 CEILING = 4e12
@@ -188,6 +188,74 @@ def test_cli_needs_a_gpu_or_the_fake_timer(tmp_path, capsys):
     rc = main(["tune-kernels", "--shapes", "256x512,512x256", "--fake-timer", "--budget-s", "5",
                "--memory", str(tmp_path)])
     out = capsys.readouterr().out
-    assert rc == 0 and "2 of 2 shapes tuned" in out
+    assert rc == 0 and "2 of 2 shapes tuned" in out and "wide steps (T = 64) tuned for 2 of 2" in out
     [cache] = (tmp_path / "kernels").iterdir()
     assert cache.name.endswith("-fake.json") and set(read_cache(cache)) == {"256x512", "512x256"}
+
+
+class WideTimer(TableTimer):
+    """TableTimer, and at T = 64 eight warps with two stages run at 0.7x whatever else (bf16 only:
+    12-bit gains nothing at T = 64)."""
+
+    def __call__(self, shape, fmt, cfg, tokens):
+        t = super().__call__(shape, fmt, cfg, tokens)
+        if tokens == WIDE_TOKENS and fmt == "bf16" and (cfg.num_warps, cfg.num_stages) == (8, 2):
+            t *= 0.7
+        return t
+
+
+def test_wide_steps_get_their_own_speed_settings_under_the_pairs_numerics(tmp_path):
+    timer = WideTimer()
+    tuner(tmp_path, timer).run([SHAPE])
+    pair = {f: tuned_config(SHAPE, f, device="dev", store_dir=tmp_path) for f in ("bf16", "lh12")}
+    assert pair["bf16"].wide is None
+    [res] = tuner(tmp_path, timer).run_wide([SHAPE, (1024, 1024)])  # 1024x1024 has no pair: skipped
+    assert res.shape == SHAPE
+    wide = tuned_config(SHAPE, "bf16", device="dev", store_dir=tmp_path)
+    assert wide.wide is not None and (wide.wide.num_warps, wide.wide.num_stages) == (8, 2)
+    assert wide.wide.numerics == wide.numerics == pair["bf16"].numerics
+    assert dataclasses.replace(wide, wide=None) == pair["bf16"]  # T <= 16 settings untouched
+    assert tuned_config(SHAPE, "lh12", device="dev", store_dir=tmp_path) == pair["lh12"]  # no gain: none
+    entry = read_cache(cache_path(tmp_path, "dev"))["4096x4096"]
+    assert entry["gbps_wide"]["bf16"]["wide"] > entry["gbps_wide"]["bf16"]["base"]
+    assert {t for (*_, t) in timer.calls[-3:]} == {WIDE_TOKENS}
+    # a later pair run that keeps the pair keeps its wide settings too
+    tuner(tmp_path, timer).run([SHAPE])
+    assert tuned_config(SHAPE, "bf16", device="dev", store_dir=tmp_path) == wide
+
+
+def test_wide_candidates_keep_numerics_and_layout():
+    base = GemmConfig(block_n=256, block_k=64, split_k=4)
+    bf16 = wide_candidates((4096, 4096), base)
+    assert base not in bf16 and len(set(bf16)) == len(bf16)
+    assert {c.numerics for c in bf16} == {base.numerics} and {c.block_n for c in bf16} == set(BLOCK_N)
+    assert all(c.wide is None for c in bf16)
+    assert {c.block_n for c in wide_candidates((4096, 700), base)} == {128, 256}  # 512 pads to 1024, not 768
+    lh12 = wide_candidates((4096, 4096), dataclasses.replace(base, block_n=128, one_dot=True), "lh12")
+    assert {(c.block_n, c.one_dot) for c in lh12} == {(128, True)} and {c.decode for c in lh12} == {"prmt", "swar"}
+
+
+def test_cache_with_a_wide_config_of_another_layout_is_refused(tmp_path):
+    base = GemmConfig(block_n=128, block_k=64, split_k=1, one_dot=True)
+    bad = dataclasses.replace(base, wide=dataclasses.replace(base, block_n=256))
+    entry = {"bf16": dataclasses.asdict(GemmConfig(block_k=64)), "lh12": dataclasses.asdict(bad)}
+    path = cache_path(tmp_path, "dev")
+    write_json_atomic(path, {"format_version": 1, "device": "dev", "shapes": {"4096x4096": entry}})
+    with pytest.raises(CorruptFileError, match="4096x4096.lh12.*layout"):
+        tuned_config(SHAPE, "bf16", device="dev", store_dir=tmp_path)
+
+
+def test_wide_budget_is_shared_by_both_formats(tmp_path):
+    """Each timing costs a second of a fake clock; with 12 s for one shape both formats get
+    candidates past their own settings (bf16 alone has more than 12)."""
+    timer = WideTimer()
+    tuner(tmp_path, timer).run([SHAPE])
+    now = [0.0]
+
+    def ticking(shape, fmt, cfg, tokens):
+        now[0] += 1.0
+        return timer(shape, fmt, cfg, tokens)
+    [res] = tuner(tmp_path, ticking, budget_s=12, clock=lambda: now[0]).run_wide([SHAPE])
+    timed = [(fmt, t) for (_, fmt, _, t) in timer.calls if t == WIDE_TOKENS]
+    assert timed.count(("bf16", WIDE_TOKENS)) > 2 and timed.count(("lh12", WIDE_TOKENS)) > 2
+    assert len(timed) <= 14

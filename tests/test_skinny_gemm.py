@@ -184,3 +184,37 @@ def test_natural_order_packing_skips_the_transpose_and_stays_bitwise(seed):
     lw2 = prepare_lh12(encode(w), cfg, interpret=True)
     assert lw2.natural
     np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, lw2)), bits(skinny_gemm(x, gw)))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_wide_step_settings_keep_every_row_bitwise(seed):
+    """A config's `wide` settings (T > 16 rows) change speed only: a 40-row step under them equals
+    1-row steps under the base settings bit for bit, in both formats."""
+    w, x, cfg = random_case(50 + seed)
+    x = jnp.concatenate([x] * 3)[:40]
+    wide = dataclasses.replace(cfg, num_warps=8, num_stages=2, decode="prmt")
+    cfg = dataclasses.replace(cfg, wide=wide)
+    assert cfg.for_rows(16) is cfg and cfg.for_rows(17) is wide
+    for gw in (prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True),
+               prepare_lh12(encode(w), cfg, interpret=True)):
+        gemm = skinny_gemm if gw.__class__.__name__ == "GemmWeight" else skinny_gemm_lh12
+        full = bits(gemm(x, gw))
+        for t in (0, 17, 39):
+            np.testing.assert_array_equal(bits(gemm(x[t:t + 1], gw))[0], full[t])
+
+
+def test_wide_settings_must_keep_numerics_and_layout():
+    base = GemmConfig(block_n=256, block_k=32, split_k=2)
+    with pytest.raises(ValueError, match="numerics"):
+        dataclasses.replace(base, wide=dataclasses.replace(base, split_k=1))
+    with pytest.raises(ValueError, match="no wide config"):
+        dataclasses.replace(base, wide=dataclasses.replace(base, wide=base))
+    narrow = dataclasses.replace(base, wide=dataclasses.replace(base, block_n=128))
+    w = jnp.zeros((64, 512), jnp.bfloat16)
+    prepare_bf16(w, narrow, interpret=True)  # bf16: N = 512 pads to the same width either way
+    with pytest.raises(ValueError, match="layout"):
+        prepare_bf16(jnp.zeros((64, 300), jnp.bfloat16), narrow, interpret=True)  # 384 vs 512 columns
+    with pytest.raises(ValueError, match="layout"):  # LH12 counts escapes per block_n tile
+        prepare_lh12(encode(np.zeros((64, 512), np.uint16)), narrow, interpret=True)
+    # a cache round trip: the nested config comes back from its dict
+    assert GemmConfig(**dataclasses.asdict(narrow)) == narrow

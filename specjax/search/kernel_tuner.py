@@ -15,6 +15,11 @@ compute bit-identical logits for the same position, or speculative decoding woul
 plain AR would not; and a 12-bit target must give exactly the bf16 target's tokens. So the best
 pair is chosen as a pair, never the best config of each format or width on its own.
 
+Wide steps (T > 16 rows, `GemmConfig.wide`): once a shape has its pair, `run_wide` times other
+speed settings at T = 64 under the pair's numerics and weight layout and keeps, per format, the
+fastest when it beats the pair's own by WIDE_MIN_GAIN; the numerics never change, so the rule
+above holds.
+
 The timer is injectable, `time_fn(shape, fmt, config, T) -> seconds per call` (and a `clock` for
 the budget), so the logic is tested on a CPU with fake timers; the real one is
 specjax/search/kernel_timer.py and needs a GPU.
@@ -32,7 +37,7 @@ from typing import Callable
 
 import jax
 
-from pallas_kernels.skinny_gemm import STRIPES, GemmConfig, Geometry
+from pallas_kernels.skinny_gemm import STRIPES, GemmConfig, Geometry, check_layout
 from specjax.atomic import CorruptFileError, read_json_checked, write_json_atomic
 from specjax.errors import ConfigError
 from specjax.search.registry import LH12_NOMINAL_BITS
@@ -54,6 +59,8 @@ LH12_LOOKUPS = ("masked", "superword")
 MIN_PROGRAMS = 2 * 132
 MAX_K_PADDING = 1.125
 SPEED_NUMERICS = 2  # numerics whose speed settings get the full sweep
+WIDE_TOKENS = 64  # the widest step the kernels serve (specjax/models/linear.py SLAB)
+WIDE_MIN_GAIN = 0.02  # a wide config must beat the pair's own settings at T = 64 by this much
 
 TimeFn = Callable[[tuple[int, int], str, GemmConfig, int], float]
 Shape = tuple[int, int]
@@ -128,6 +135,29 @@ def speed_candidates(numerics: tuple[int, int], fmt: str = "bf16") -> list[GemmC
             for bn in LH12_BLOCK_N for s in NUM_STAGES]
 
 
+def wide_candidates(shape: Shape, base: GemmConfig, fmt: str = "bf16") -> list[GemmConfig]:
+    """Speed settings for wide steps under `base`'s numerics and weight layout (`check_layout`),
+    likeliest first: more warps (four row chunks of accumulators), then narrower tiles."""
+    plain = dataclasses.replace(base, wide=None)
+    out = []
+    widths = (base.block_n,) + tuple(b for b in sorted(BLOCK_N) if b != base.block_n) if fmt == "bf16" \
+        else (base.block_n,)
+    decodes = (base.decode,) + tuple(d for d in LH12_DECODES if d != base.decode) if fmt == "lh12" \
+        else (base.decode,)
+    for decode in decodes:
+        for bn in widths:
+            for w in (8, 4):
+                for st in (3, 2, 4):
+                    cand = dataclasses.replace(plain, block_n=bn, num_warps=w, num_stages=st, decode=decode)
+                    try:
+                        check_layout(shape, dataclasses.replace(plain, wide=cand), fmt)
+                    except ValueError:
+                        continue
+                    if cand != plain and cand not in out:
+                        out.append(cand)
+    return out
+
+
 def default_tiles(shape: Shape, fmt: str = "bf16") -> GemmConfig:
     """What runs untuned: the kernels' shape-based default for the format (`default_config`:
     per-format speed settings, one numerics for both formats)."""
@@ -147,7 +177,10 @@ def cache_path(store_dir: str | Path, device: str) -> Path:
 
 def _config_from(path: Path, key: str, fmt: str, fields) -> GemmConfig:
     try:
-        return GemmConfig(**fields)
+        cfg = GemmConfig(**fields)
+        k, _, n = key.partition("x")
+        check_layout((int(k), int(n)), cfg, fmt)
+        return cfg
     except (TypeError, ValueError) as e:
         raise CorruptFileError(f"{path}: shapes.{key}.{fmt} is not a GemmConfig: {e}") from None
 
@@ -196,6 +229,10 @@ def tuned_config(shape: Shape, fmt: str, device: str | None = None,
     return default_tiles(shape, fmt) if entry is None else GemmConfig(**entry[fmt])
 
 
+def _plain(cfg: GemmConfig) -> GemmConfig:
+    return dataclasses.replace(cfg, wide=None)
+
+
 # ----------------------------------------------------------------------------- the tuner
 
 @dataclasses.dataclass
@@ -207,6 +244,8 @@ class ShapeResult:
     best_s: dict[str, dict[int, float]] | None = None
     tried: int = 0  # (format, config) candidates timed, the baseline included
     errors: list[str] = dataclasses.field(default_factory=list)
+    cached: dict[str, GemmConfig] = dataclasses.field(default_factory=dict)  # the cache's entry
+    wide_s: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # fmt -> base/wide s
 
     def floor_s(self, fmt: str, ceiling: float) -> float:
         bits = 16.0 if fmt == "bf16" else LH12_NOMINAL_BITS
@@ -234,6 +273,7 @@ class KernelTuner:
         self.path = cache_path(store_dir, device)
         self.budget_s, self.tokens, self.clock, self.progress = budget_s, tuple(tokens), clock, progress
         self._times: dict = {}  # (shape, fmt, config) -> {T: seconds}, inf where it failed
+        self._times_at: dict = {}  # (shape, fmt, config, T) -> seconds (wide steps)
 
     def _measure(self, res: ShapeResult, fmt: str, cfg: GemmConfig) -> float:
         """Seconds summed over T of one (format, config); inf when it fails to build or run."""
@@ -292,8 +332,10 @@ class KernelTuner:
         results = []
         for shape in shapes:  # the baseline: what runs today, on every shape
             entry = cached.get(shape_key(shape))
-            current = {f: GemmConfig(**entry[f]) if entry else default_tiles(shape, f) for f in FORMATS}
+            cached_cfg = {f: GemmConfig(**entry[f]) for f in FORMATS} if entry else {}
+            current = {f: _plain(cached_cfg[f]) if entry else default_tiles(shape, f) for f in FORMATS}
             res = ShapeResult(shape, current, {})
+            res.cached = cached_cfg
             if self.clock() >= end:
                 self.progress(f"{shape_key(shape)}: budget spent before its baseline")
                 continue
@@ -314,12 +356,74 @@ class KernelTuner:
             pair = self._best_pair(res.shape)
             if pair is None:  # not even the baseline ran: keep what the cache had
                 continue
-            res.best = pair
             res.best_s = {f: dict(self._times[res.shape, f, pair[f]]) for f in FORMATS}
+            # the same settings as cached keep their wide ones (same numerics and layout)
+            res.best = {f: res.cached[f] if f in res.cached and _plain(res.cached[f]) == pair[f] else pair[f]
+                        for f in FORMATS}
             self._save(res)
             self.progress(f"{shape_key(res.shape)}: {self._describe(res, res.best_s)} after "
                           f"{res.tried} candidates; bf16 {pair['bf16']}, lh12 {pair['lh12']}")
         return results
+
+    def run_wide(self, shapes: list[Shape]) -> list[ShapeResult]:
+        """Wide-step settings for the cached pair of each shape (a shape without one is skipped:
+        tune its pair first), shapes in order, each given an equal share of the remaining budget."""
+        start = self.clock()
+        end = start + self.budget_s
+        cached = read_cache(self.path)
+        results = []
+        todo = [s for s in shapes if shape_key(s) in cached]
+        for s in shapes:
+            if shape_key(s) not in cached:
+                self.progress(f"{shape_key(s)}: no tuned pair in {self.path}: wide step not tuned")
+        for i, shape in enumerate(todo):
+            entry = cached[shape_key(shape)]
+            pair = {f: GemmConfig(**entry[f]) for f in FORMATS}
+            res = ShapeResult(shape, pair, {}, cached=pair)
+            deadline = self.clock() + (end - self.clock()) / (len(todo) - i)
+            best = {}
+            for j, fmt in enumerate(FORMATS):  # the formats share the shape's time equally
+                fmt_deadline = self.clock() + (deadline - self.clock()) / (len(FORMATS) - j)
+                base = _plain(pair[fmt])
+                base_s = self._measure_at(res, fmt, base, WIDE_TOKENS)
+                cands = [(base_s, base)]
+                for cand in wide_candidates(shape, base, fmt):
+                    if self.clock() >= fmt_deadline:
+                        break
+                    cands.append((self._measure_at(res, fmt, cand, WIDE_TOKENS), cand))
+                top_s, top = min(cands, key=lambda c: c[0])
+                res.wide_s[fmt] = {"base": base_s, "wide": top_s}
+                keep = top != base and top_s < (1 - WIDE_MIN_GAIN) * base_s
+                best[fmt] = dataclasses.replace(base, wide=top if keep else None)
+            res.best = best
+            self._save_wide(res, entry)
+            results.append(res)
+            gbps = {f: 2 * shape[0] * shape[1] / res.wide_s[f]["wide"] / 1e9 for f in FORMATS}
+            self.progress(f"{shape_key(shape)}: T={WIDE_TOKENS} " + ", ".join(
+                f"{f} {2 * shape[0] * shape[1] / res.wide_s[f]['base'] / 1e9:.0f} -> {gbps[f]:.0f} GB/s"
+                f" ({'wide ' + str(best[f].wide) if best[f].wide else 'pair settings kept'})" for f in FORMATS))
+        return results
+
+    def _measure_at(self, res: ShapeResult, fmt: str, cfg: GemmConfig, tokens: int) -> float:
+        """Seconds of one (format, config) at one T; inf when it fails."""
+        key = (res.shape, fmt, cfg, tokens)
+        if key not in self._times_at:
+            res.tried += 1
+            try:
+                self._times_at[key] = float(self.time_fn(res.shape, fmt, cfg, tokens))
+            except Exception as e:  # noqa: BLE001 - e.g. a tile that overflows shared memory
+                res.errors.append(f"{fmt} {cfg} T={tokens}: {type(e).__name__}: {e}"[:300])
+                self._times_at[key] = math.inf
+        return self._times_at[key]
+
+    def _save_wide(self, res: ShapeResult, entry: dict):
+        nbytes = 2 * res.shape[0] * res.shape[1]
+        new = dict(entry)
+        new.update({f: dataclasses.asdict(res.best[f]) for f in FORMATS})
+        new["gbps_wide"] = {f: {k: nbytes / v / 1e9 for k, v in res.wide_s[f].items() if math.isfinite(v)}
+                            for f in FORMATS}
+        new["wide_tokens"] = WIDE_TOKENS
+        write_entries(self.path, self.device, {shape_key(res.shape): new})
 
     def _describe(self, res: ShapeResult, times) -> str:
         gbps = res.gbps(times)
