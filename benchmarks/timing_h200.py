@@ -62,6 +62,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
                  max_position_embeddings=8192, dtype="bfloat16")
 CONTEXT = 1024
+STEP_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]  # the 8B step's GEMMs
 DEVICE = None  # tile cache to read (memory_store/kernels/<device>.json); None: this device's
 KERNEL_ONLY = False  # --timers kernel: skip the fori and unrolled wall-clock harnesses
 FINISH_BY_S = float("inf")  # start no new measurement after this many seconds
@@ -194,7 +195,7 @@ def rows_part() -> dict:
     """Correctness first: under this device's tuned configs (wide-step settings included), rows of
     a 64-row GEMM equal 1-row GEMMs bit for bit, and the 12-bit kernel equals the bf16 one."""
     res = {}
-    for shape in SHAPES:
+    for shape in STEP_SHAPES:
         k, n = shape
         bits = random_bits(jax.random.PRNGKey(k * 7 + n), shape)
         w16 = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
@@ -223,7 +224,7 @@ def step_variants(names):
     cfg = ModelConfig(**LLAMA3_8B)
     params = init_random_params(cfg, jax.random.PRNGKey(0))
     configs = {(s, f): tuned_config(s, f, device=DEVICE)
-               for s in [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
+               for s in STEP_SHAPES
                for f in ("bf16", "lh12")}
     out = {}
     for name in names:
@@ -374,7 +375,9 @@ def main():
     FINISH_BY_S = args.finish_by_s
     if args.smoke:
         global INTERPRET, SHAPES, L2_BYTES, CALLS
+        global STEP_SHAPES
         INTERPRET, SHAPES, L2_BYTES, CALLS = True, [(256, 1024)], 1e6, 3
+        STEP_SHAPES = [(128, 256), (256, 128)]
         LLAMA3_8B.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=32)
     from specjax.costmodel.hardware import current_device_name
