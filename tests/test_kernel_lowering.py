@@ -96,3 +96,16 @@ def test_tree_gdn_lowers_for_cuda(n, depth):
     f = lambda s, q, k, v, g, b, a: tree_gdn(s, q, k, v, g, b, a, depth, TreeGDNConfig())
     module = lower_for_cuda(f, state, qk, qk, jnp.ones((B, n, H, dv), f32), gb, gb, anc)
     assert "tree_gdn" in module and "xla.gpu.triton" in module
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_tree_attention_lowers_for_cuda(n):
+    from pallas_kernels.tree_attention import tree_attention
+    B, S, Hq, Hkv, hd = 1, 256, 9, 3, 64
+    q = jnp.ones((B, n, Hq, hd), jnp.bfloat16)
+    kv = jnp.ones((B, S, Hkv, hd), jnp.bfloat16)
+    anc = jnp.ones((B, n, n), bool)
+    depths = jnp.zeros((B, n), jnp.int32)
+    f = lambda q, k, v, s, a, d: tree_attention(q, k, v, s, a, d, n - 1)
+    module = lower_for_cuda(f, q, kv, kv, jnp.array([100], jnp.int32), anc, depths)
+    assert "tree_attention" in module and "xla.gpu.triton" in module

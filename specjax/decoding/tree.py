@@ -21,6 +21,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
 from specjax.models.target import target_commit, target_logits, target_verify, with_replay_width
+from specjax.models.transformer import TreeMask
 from specjax.sampling import SamplingConfig, probabilities, top2_margin
 from specjax.trees.builders import LOGP_FLOOR, TreeSpec, as_tree_spec, build_tree
 from specjax.trees.tree import Tree
@@ -71,8 +72,9 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, ge
     pos = seqs.length - 1  # the pending token's slot: the tree's root
     tree, dstate = draft_tree(drafter, spec, gen.sampling, dstate, seqs)
     anc = tree.ancestors()
-    positions = pos[:, None] + tree.depths(anc)
-    mask = tree_mask(tree, pos, cache.num_slots, anc)
+    depths = tree.depths(anc)
+    positions = pos[:, None] + depths
+    mask = TreeMask(tree_mask(tree, pos, cache.num_slots, anc), anc, depths, tree.max_depth)
     taps = getattr(drafter, "taps", ())
     hidden, features, cache, pending = target_verify(target, cfg, tree.tokens, positions, cache, pos, taps,
                                                      mask, tree.parents, anc, tree.max_depth)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax.models.hybrid import hybrid_logits, hybrid_run, init_hybrid_cache
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import KVCache, init_cache
-from specjax.models.transformer import forward_with_taps, lm_logits
+from specjax.models.transformer import dense_mask, forward_with_taps, lm_logits
 
 
 def is_hybrid(cfg) -> bool:
@@ -55,8 +55,8 @@ def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, pare
     """The N nodes (node 0: the pending token) under `mask` [B, N, S] (attention) with the tree's
     parents [B, N], ancestors [B, N, N] and static depth (GDN layers)
     -> (hidden, features, cache, pending)."""
-    if is_hybrid(cfg):
-        return hybrid_run(params, cfg, tokens, positions, cache, start, mask, taps=taps,
+    if is_hybrid(cfg):  # its attention layers take the dense mask (replayed rows come first)
+        return hybrid_run(params, cfg, tokens, positions, cache, start, dense_mask(mask), taps=taps,
                               tree=(parents, ancestors, depth))
     hidden, features, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
     return hidden, features, cache, None

@@ -8,10 +8,13 @@ verification passes its own [B, T, S] mask and RoPE positions that differ from s
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.tree_attention import tree_attention
 from pallas_kernels.rms_norm import rms_norm as rms_norm_kernel
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_rows
@@ -29,6 +32,25 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, impl: str = "xla") -> 
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeMask:
+    """A token tree's visibility in the verify forward (node i at slot start + i): the [B, N, S]
+    mask for XLA's attention, and the ancestors [B, N, N] and depths [B, N] from which the fused
+    kernel gathers each node's path into AR's slot layout (pallas_kernels/tree_attention.py), so
+    a node's attention rounds exactly as the AR step of its token would."""
+
+    dense: jax.Array
+    ancestors: jax.Array
+    depths: jax.Array
+    max_depth: int = dataclasses.field(metadata=dict(static=True))
+
+
+def dense_mask(mask):
+    """A [B, T, S] mask from a mask or a `TreeMask`."""
+    return mask.dense if isinstance(mask, TreeMask) else mask
 
 
 def causal_slot_mask(start: jax.Array, num_new: int, num_slots: int) -> jax.Array:
@@ -55,16 +77,20 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
     """One decoder layer over a dense cache. `mix(h, sublayer)` (block drafters) transforms the
     normed input of the attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block
     convolution. `attention`: "xla", "pallas" or "interpret" (the fused kernel,
-    pallas_kernels/decode_attention.py)."""
+    pallas_kernels/decode_attention.py, or tree_attention.py under a `TreeMask`)."""
     T = x.shape[1]
 
     def attend(q, k, v):
         kc = write_rows(k_cache, k, start)
         vc = write_rows(v_cache, v, start)
         if attention == "xla":
-            return dense_attention(cfg, q, kc, vc, mask), (kc, vc)
+            return dense_attention(cfg, q, kc, vc, dense_mask(mask)), (kc, vc)
+        interpret = attention == "interpret"
+        if isinstance(mask, TreeMask):
+            return tree_attention(q, kc, vc, start, mask.ancestors, mask.depths, mask.max_depth,
+                                  interpret=interpret), (kc, vc)
         # no slot at or past start + T is visible (causal and tree masks alike)
-        return decode_attention(q, kc, vc, mask, start + T, interpret=attention == "interpret"), (kc, vc)
+        return decode_attention(q, kc, vc, mask, start + T, interpret=interpret), (kc, vc)
 
     x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix, norm)
     return x, k_cache, v_cache
