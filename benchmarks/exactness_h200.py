@@ -1,7 +1,7 @@
 """Where does a verify step stop matching AR steps bit for bit? (device diagnostic)
 
     python benchmarks/exactness_h200.py [--model FILE.gguf] [--kernels pallas|xla] [--width 8] [--batch 2]
-                                        [--prompt-len 64]
+                                        [--prompt-len 64] [--tree 16]
 
 Runs one verify step over W tokens and W AR steps over the same tokens from the same cache, and
 compares, bitwise, the residual stream after every layer and the logits, row by row; then the
@@ -24,7 +24,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specjax.models.config import ModelConfig  # noqa: E402
-from specjax.models.width_check import norm_vs_rows, ops_vs_width, step_vs_ar  # noqa: E402
+from specjax.models.width_check import norm_vs_rows, ops_vs_width, step_vs_ar, tree_vs_ar  # noqa: E402
 
 
 def model(args):
@@ -46,6 +46,8 @@ def main():
     ap.add_argument("--batch", type=int, default=2, help="rows per call of the step comparison")
     ap.add_argument("--prompt-len", type=int, default=64,
                     help="context before the verified tokens (> 256 crosses the attention kernel's splits)")
+    ap.add_argument("--tree", type=int, default=0,
+                    help="also a tree verify step over a random tree of this many nodes vs AR per node")
     args = ap.parse_args()
     cfg, params = model(args)
     if args.kernels != "xla":
@@ -57,6 +59,8 @@ def main():
                     "device": jax.devices()[0].device_kind},
            "step": step_vs_ar(params, cfg, args.width, prompt_len=args.prompt_len, batch=args.batch), "ops": ops_vs_width(params, cfg, args.width),
            "norm": norm_vs_rows(params, cfg, args.width, args.batch)}
+    if args.tree:
+        res["tree"] = tree_vs_ar(params, cfg, args.tree, prompt_len=args.prompt_len, batch=args.batch)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "exactness_h200.json").write_text(json.dumps(res, indent=1))
@@ -65,6 +69,9 @@ def main():
     print("  logits equal per row:        ", res["step"]["logits_equal"])
     print("  ops width-invariant:         ", res["ops"])
     print(f"  RMSNorm draws differing, 1 vs {args.width} rows x {args.batch}:", res["norm"]["differing_draws"])
+    if args.tree:
+        for name, eq in res["tree"]["logits_equal"].items():
+            print(f"  tree of {args.tree} nodes, {name}: logits equal to AR's at {sum(eq)} of {len(eq)} nodes")
 
 
 if __name__ == "__main__":

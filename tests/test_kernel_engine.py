@@ -154,30 +154,9 @@ def test_tree_verify_logits_equal_ar_step_logits_bitwise(seed):
     kernel's 256-slot split boundary (deep nodes sit in another split than AR's path). A wrong
     path gather shows here; the rounding that the dense tree mask gets wrong is rarely visible in
     so small a model on a CPU (in-order dots), so tests/test_tree_attention.py checks that part."""
-    from specjax.models.kv_cache import init_cache
-    from specjax.models.transformer import TreeMask, forward, lm_logits
-    from specjax.trees.tree import Tree
-    from specjax.trees.verify import tree_mask
+    from specjax.models.width_check import tree_vs_ar
     cfg, params, _ = random_bf16_case(seed)
     kp, _ = prepare_kernel_params(params, cfg, interpret=True)
-    rng = np.random.default_rng(seed)
-    prompt = jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (1, 250)), jax.numpy.int32)
-    _, cache = forward(kp, cfg, prompt, jax.numpy.arange(250)[None], init_cache(cfg, 1, 320), jax.numpy.zeros(1, int))
-    n = 9
-    parents = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, n)]], np.int32)
-    tree = Tree(tokens=jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (1, n)), jax.numpy.int32),
-                parents=jax.numpy.asarray(parents), max_depth=n - 1)
-    anc = tree.ancestors()
-    depths = tree.depths(anc)
-    start = jax.numpy.array([250])
-    mask = TreeMask(tree_mask(tree, start, 320, anc), anc, depths, n - 1)
-    hidden, _ = forward(kp, cfg, tree.tokens, start[:, None] + depths, cache, start, mask)
-    tree_logits = np.asarray(lm_logits(kp, hidden))
-    step = jax.jit(lambda c, tok, pos: forward(kp, cfg, tok, pos, c, pos[:, 0]))
-    for i in range(n):
-        path = [j for j in range(n) if anc[0, i, j]]  # root first: ancestors have lower indices
-        c = cache
-        for d, j in enumerate(path):
-            h, c = step(c, tree.tokens[:, j:j + 1], jax.numpy.array([[250 + d]]))
-        ar = np.asarray(lm_logits(kp, h))[0, 0]
-        np.testing.assert_array_equal(ar.view(np.uint32), tree_logits[0, i].view(np.uint32), err_msg=f"node {i}")
+    res = tree_vs_ar(kp, cfg, nodes=9, prompt_len=250, batch=2, seed=seed)
+    assert max(max(d) for d in res["depths"]) >= 3
+    assert all(res["logits_equal"]["tree_mask"]), res

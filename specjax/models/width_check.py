@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.kv_cache import init_cache
-from specjax.models.transformer import forward_with_taps, lm_logits, rms_norm
+from specjax.models.transformer import TreeMask, forward, forward_with_taps, lm_logits, rms_norm
 
 
 def bits(x) -> np.ndarray:
@@ -53,6 +53,50 @@ def step_vs_ar(params, cfg, width: int, prompt_len: int = 64, batch: int = 1) ->
         out["logits_equal"].append(bool(np.array_equal(bits(lv[:, j]), bits(lg[:, 0]))))
         out["argmax_equal"].append(bool(jnp.all(jnp.argmax(lv[:, j], -1) == jnp.argmax(lg[:, 0], -1))))
     return out
+
+
+def tree_vs_ar(params, cfg, nodes: int, prompt_len: int = 64, batch: int = 1, seed: int = 0) -> dict:
+    """A tree verify step over a random tree of `nodes` nodes per row vs the AR steps that decode
+    each node's path from the same prefix: per node, whether every row's logits are equal bit for
+    bit, under the `TreeMask` (the engine's path: on the kernels, tree_attention.py) and under the
+    plain dense tree mask (decode_attention.py pairing terms by node slot)."""
+    from specjax.trees.tree import Tree
+    from specjax.trees.verify import tree_mask
+    rng = np.random.default_rng(seed)
+    slots = -(-(prompt_len + nodes + 8) // 64) * 64
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg",))
+    _, cache = fwd(params, cfg, prompt, jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len)),
+                   init_cache(cfg, batch, slots), jnp.zeros(batch, jnp.int32))
+    parents = np.full((batch, nodes), -1, np.int32)
+    for i in range(1, nodes):
+        parents[:, i] = rng.integers(0, i, batch)
+    tree = Tree(tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, nodes)), jnp.int32),
+                parents=jnp.asarray(parents), max_depth=nodes - 1)
+    anc = tree.ancestors()
+    depths = tree.depths(anc)
+    start = jnp.full(batch, prompt_len, jnp.int32)
+    dense = tree_mask(tree, start, slots, anc)
+    pos = start[:, None] + depths
+    logits = {name: np.asarray(lm_logits(params, fwd(params, cfg, tree.tokens, pos, cache, start, mask)[0]))
+              for name, mask in (("tree_mask", TreeMask(dense, anc, depths, nodes - 1)), ("dense_mask", dense))}
+    equal = {name: [] for name in logits}
+    anc_np, depths_np = np.asarray(anc), np.asarray(depths)
+    for i in range(nodes):
+        # AR over each row's path to node i (rows' paths differ in tokens, not in length order)
+        depth = depths_np[:, i]
+        c, last = cache, np.zeros_like(logits["tree_mask"][:, 0])
+        paths = [[j for j in range(nodes) if anc_np[r, i, j]] for r in range(batch)]  # root first
+        for d in range(int(depth.max()) + 1):
+            idx = jnp.asarray([p[min(d, len(p) - 1)] for p in paths], jnp.int32)
+            tok = jnp.take_along_axis(tree.tokens, idx[:, None], axis=1)
+            h, c = fwd(params, cfg, tok, start[:, None] + d, c, start + d)
+            lg = np.asarray(lm_logits(params, h))[:, 0]
+            done = depth == d
+            last[done] = lg[done]
+        for name in logits:
+            equal[name].append(bool(np.array_equal(bits(last), bits(logits[name][:, i]))))
+    return {"depths": depths_np.tolist(), "logits_equal": equal}
 
 
 def norm_vs_rows(params, cfg, width: int, batch: int = 2, draws: int = 40) -> dict:
