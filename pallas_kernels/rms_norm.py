@@ -10,8 +10,8 @@ kernel path that was not width-invariant (docs/notes/perf.md, 2026-12-06).
 Here every program normalizes a fixed block of `block_rows` rows padded to a power-of-two width;
 the reduction is one `jnp.sum` over that block's columns, so its order is fixed by the block
 shape and the config (chosen from the width), never by the number of rows: an AR step and a
-verify step agree bit for bit. Padded columns are zeros (they add nothing to the sum); padded
-rows are dropped.
+verify step agree bit for bit. Lanes past the width add zeros to the sum; lanes past the last row
+or column repeat the last one (`_block_index`), so x is read and the output written in place.
 """
 
 from __future__ import annotations
@@ -45,14 +45,30 @@ def default_norm_config(width: int) -> NormConfig:
     return NormConfig(block_rows=max(1, min(16, 8192 // padded)), num_warps=4 if padded <= 2048 else 8)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, eps: float, width: int, plus_one: bool):
-    xf = x_ref[...].astype(jnp.float32)  # [block_rows, Dp]
-    mean_sq = jnp.sum(xf * xf, axis=1, keepdims=True) / width  # the real width, not the padded one
+def _block_index(i, m: int, d: int, rows: int, dp: int):
+    """Row and column indexers of program i's [rows, Dp] block. Where the block runs past the
+    array (m % rows rows, or Dp > d columns) the indices are clamped: missing rows repeat row
+    m - 1 and missing columns column d - 1, so every lane computes a real element's value and the
+    stores of the clamped lanes write those same bits again. No padded copy of x, no slice after:
+    an AR step's norm (1 row) is one kernel, not a pad, a kernel and a slice."""
+    if m % rows == 0 and dp == d:
+        return pl.ds(pl.multiple_of(i * rows, rows), rows), slice(None), None
+    r = jnp.minimum(i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 0), m - 1)
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
+    return r, jnp.minimum(col, d - 1), col < d
+
+
+def _kernel(x_ref, w_ref, o_ref, *, eps: float, m: int, width: int, rows: int, dp: int, plus_one: bool):
+    r, c, real = _block_index(pl.program_id(0), m, width, rows, dp)
+    xf = x_ref[r, c].astype(jnp.float32)  # [rows, Dp]
+    sq = xf * xf if real is None else jnp.where(real, xf * xf, 0.0)  # zeros past the width, as padding
+    mean_sq = jnp.sum(sq, axis=1, keepdims=True) / width  # the real width, not the padded one
     normed = xf * jax.lax.rsqrt(mean_sq + eps)
+    w = w_ref[c if real is not None else slice(None)]
     if plus_one:  # Qwen3-Next style: scale by (1 + w) in float32, one rounding at the end
-        o_ref[...] = (normed * (1.0 + w_ref[...].astype(jnp.float32))).astype(o_ref.dtype)
+        o_ref[r, c] = (normed * (1.0 + w.astype(jnp.float32))).astype(o_ref.dtype)
     else:  # Llama style (as transformers): cast back, then scale in the input's dtype
-        o_ref[...] = w_ref[...] * normed.astype(o_ref.dtype)
+        o_ref[r, c] = w.astype(o_ref.dtype) * normed.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "config", "interpret"))
@@ -66,24 +82,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False
     M = rows.shape[0]
     Dp = 1 << (D - 1).bit_length()  # Triton blocks are powers of two
     R = config.block_rows
-    Mp = -(-M // R) * R
-    rows = jnp.pad(rows, ((0, Mp - M), (0, Dp - D)))
-    w = jnp.pad(weight.astype(x.dtype), (0, Dp - D)).reshape(1, Dp)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu  # GPU only
         params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     out = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, width=D, plus_one=plus_one),
-        out_shape=jax.ShapeDtypeStruct((Mp, Dp), x.dtype),
-        grid=(Mp // R,),
-        in_specs=[pl.BlockSpec((R, Dp), lambda i: (i, 0)), pl.BlockSpec((1, Dp), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((R, Dp), lambda i: (i, 0)),
+        functools.partial(_kernel, eps=eps, m=M, width=D, rows=R, dp=Dp, plus_one=plus_one),
+        out_shape=jax.ShapeDtypeStruct((M, D), x.dtype),
+        grid=(-(-M // R),),
         compiler_params=params,
         interpret=interpret,
         name="rms_norm",
-    )(rows, w)
-    return out[:M, :D].reshape(*lead, D)
+    )(rows, weight.astype(x.dtype))
+    return out.reshape(*lead, D)
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:

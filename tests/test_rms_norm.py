@@ -53,3 +53,15 @@ def test_default_configs_keep_a_block_in_registers():
     assert default_norm_config(4096) == NormConfig(block_rows=2, num_warps=8)
     assert default_norm_config(16384) == NormConfig(block_rows=1, num_warps=8)
     assert default_norm_config(64).block_rows == 16
+
+
+def test_one_row_is_normed_in_place_with_no_pad_or_slice():
+    """An AR step's norm (1 row, a width that is no power of two) is the kernel alone: no padded
+    copy of x before it, no slice after (each a separate GPU kernel of ~1.5 us)."""
+    x = jnp.asarray(np.random.default_rng(1).normal(0, 3, (1, 1, 576)), jnp.bfloat16)
+    w = jnp.ones(576, jnp.bfloat16)
+    hlo = jax.jit(lambda x, w: rms_norm(x, w, 1e-6, interpret=True)).lower(x, w).as_text()
+    jaxpr = str(jax.make_jaxpr(lambda x, w: rms_norm(x, w, 1e-6, interpret=True))(x, w))
+    outer = jaxpr.split("pallas_call")[0]  # the ops before the kernel
+    assert "pad[" not in outer and "slice[" not in jaxpr.split("name=rms_norm")[-1], jaxpr[:2000]
+    assert "rms_norm" in hlo
