@@ -4,6 +4,7 @@ compares the sharded engine with the unsharded one: greedy tokens equal, token f
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -161,12 +162,52 @@ def kernels(seed: int, tp: int):
                                                           kernels="interpret", mesh=mesh), prompts, reference)
 
 
+def kernels_lh12(seed: int, tp: int):
+    """12-bit weights on the kernels, split over the mesh: each device packs its own shard under
+    the tensor's window base (specjax/sharding/tp_lh12.py). Column-parallel 12-bit GEMMs equal the
+    bf16 ones of one device bit for bit; the engine gives the sharded bf16 kernel engine's tokens
+    exactly (the same arithmetic on the same weights) and passes token forcing."""
+    from pallas_kernels.skinny_gemm import skinny_gemm
+    from specjax.sharding.tp_lh12 import TPLh12Weight, tp_gemm_lh12
+    rng = np.random.default_rng(seed)
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+                      num_kv_heads=4, head_dim=16, max_position_embeddings=256, dtype="bfloat16")
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), scale=0.5)
+    # zeros in the first shard's columns only: its escape words outnumber the other shards'
+    gu = params.layers[0].w_gate_up
+    params.layers[0] = dataclasses.replace(params.layers[0], w_gate_up=gu.at[::7, :gu.shape[1] // (2 * tp)].set(0))
+    prompts = prompts_for(rng, cfg.vocab_size)
+    gen = GenerationConfig(max_new_tokens=12)
+    mesh = tp_mesh(tp)
+    lh12 = {"attn": "lh12", "mlp": "lh12", "head": "lh12"}
+    one = Decoder(cfg, params, gen, kernels="interpret")
+    sharded16 = Decoder(cfg, params, gen, kernels="interpret", mesh=mesh)
+    sharded12 = Decoder(cfg, params, gen, kernels="interpret", mesh=mesh, weights_format=lh12)
+    layer = sharded12.params.layers[0]
+    kinds = {f: type(getattr(layer, f)).__name__ for f in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+    assert set(kinds.values()) == {"TPLh12Weight"}, kinds
+    assert layer.w_gate_up.code.shape[0] == tp and len(layer.w_gate_up.code.sharding.device_set) == tp
+    assert int(layer.w_gate_up.tile_escapes[0].sum()) > int(layer.w_gate_up.tile_escapes[-1].sum())
+    x = jax.random.normal(jax.random.PRNGKey(seed), (5, cfg.hidden_size), jax.numpy.bfloat16)
+    np.testing.assert_array_equal(np.asarray(tp_gemm_lh12(x, layer.w_gate_up)),
+                                  np.asarray(skinny_gemm(x, one.params.layers[0].w_gate_up)))
+    print(f"ok kernels_lh12 seed {seed} tp {tp}: column-parallel 12-bit GEMM bitwise equal to one device's bf16")
+    reference = sharded16.generate(prompts)
+    got = sharded12.generate(prompts)
+    assert got.tokens == reference.tokens, f"kernels_lh12 seed {seed} tp {tp}: tokens differ from sharded bf16"
+    print(f"ok kernels_lh12 AR seed {seed} tp {tp}: the sharded bf16 engine's tokens")
+    check(f"kernels_lh12 seed {seed} tp {tp} ngram",
+          Decoder(cfg, params, gen, drafter=NgramDrafter(k=4), kernels="interpret", mesh=mesh, weights_format=lh12),
+          prompts, reference)
+
+
 if __name__ == "__main__":
     assert jax.device_count() >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=4"
     which = sys.argv[1]
     # dense at both splits; the hybrid target at 2 (its 2 key heads split evenly), serving at 4:
     # one case each keeps the CI minutes down (each case is a dozen compiles)
     cases = {"dense": ((11, 4), (12, 2)), "hybrid": ((12, 2),), "serving": ((11, 4),),
-             "kernels": ((13, 2),)}[which]
+             "kernels": ((13, 2),), "kernels_lh12": ((14, 2),)}[which]
     for seed, tp in cases:
-        {"dense": dense, "hybrid": hybrid, "serving": serving, "kernels": kernels}[which](seed, tp)
+        {"dense": dense, "hybrid": hybrid, "serving": serving, "kernels": kernels,
+         "kernels_lh12": kernels_lh12}[which](seed, tp)

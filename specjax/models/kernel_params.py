@@ -92,18 +92,25 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
     for group, fmt in formats.items():
         if group not in GROUPS or fmt not in FORMATS:
             raise ConfigError(f"weight format {group}={fmt!r}: groups are {GROUPS}, formats {FORMATS}")
-    if mesh is not None and "lh12" in formats.values():
-        raise NotImplementedError("12-bit weights under a tensor-parallel mesh: the planes are not "
-                                  "split per device yet (docs/design/tensor_parallel.md); use bf16")
 
     def prepare(label, field, w, fmt):
         if mesh is not None:
             from specjax.sharding.tp_kernels import tp_kernel_weight
-            tw = tp_kernel_weight(field, w, mesh, lambda shape: config_for(shape, fmt, tiles, configs),
+            over = f"-parallel over {mesh.shape['tp']} devices"
+            reason = ""
+            if fmt == "lh12":
+                from specjax.sharding.tp_lh12 import tp_lh12_weight
+                tw = tp_lh12_weight(field, w, mesh, lambda shape: config_for(shape, "lh12", tiles, configs),
+                                    interpret)
+                if isinstance(tw, str):  # too many escapes: bf16, as on one device
+                    reason = f"; {tw}"
+                elif tw is not None:
+                    bits = tw.nbytes * 8 / (tw.shape[0] * tw.shape[1])
+                    return tw, TensorReport(label, tw.shape, "lh12", bits, tw.config, f"{tw.mode}{over}")
+            tw = tp_kernel_weight(field, w, mesh, lambda shape: config_for(shape, "bf16", tiles, configs),
                                   interpret)
             if tw is not None:
-                return tw, TensorReport(label, tw.shape, fmt, 16.0, tw.config,
-                                        f"{tw.mode}-parallel over {mesh.shape['tp']} devices")
+                return tw, TensorReport(label, tw.shape, "bf16", 16.0, tw.config, f"{tw.mode}{over}{reason}")
         return _prepare(label, w, fmt, tiles, interpret, configs)
 
     report, layers = [], []

@@ -15,17 +15,19 @@ import jax.numpy as jnp
 from pallas_kernels.skinny_gemm import GemmWeight, skinny_gemm, unprepare_bf16
 from pallas_kernels.skinny_gemm_lh12 import Lh12GemmWeight, dense_lh12, skinny_gemm_lh12
 from specjax.sharding.tp_kernels import TPGemmWeight, tp_gemm
+from specjax.sharding.tp_lh12 import TPLh12Weight, dense_tp_lh12, tp_gemm_lh12
 
 SLAB = 64  # rows per kernel call: 4 tensor-core row chunks, what the accumulators fit
 MAX_SLABS = 16  # more rows: XLA (the weights are read once per slab). 16: a batch of 32 verifying
 # trees of 16 nodes (544 rows) stays on the kernels, so it rounds as its AR steps do
 
-KernelWeight = GemmWeight | Lh12GemmWeight | TPGemmWeight
-_GEMMS = {GemmWeight: skinny_gemm, Lh12GemmWeight: skinny_gemm_lh12, TPGemmWeight: tp_gemm}
+KernelWeight = GemmWeight | Lh12GemmWeight | TPGemmWeight | TPLh12Weight
+_GEMMS = {GemmWeight: skinny_gemm, Lh12GemmWeight: skinny_gemm_lh12, TPGemmWeight: tp_gemm,
+          TPLh12Weight: tp_gemm_lh12}
 
 
 def is_kernel_weight(w) -> bool:
-    return isinstance(w, (GemmWeight, Lh12GemmWeight, TPGemmWeight))
+    return isinstance(w, tuple(_GEMMS))
 
 
 def dense(w) -> jax.Array:
@@ -36,6 +38,8 @@ def dense(w) -> jax.Array:
         return dense_lh12(w)
     if isinstance(w, TPGemmWeight):
         return w.w  # sharded: XLA partitions the dense GEMM itself
+    if isinstance(w, TPLh12Weight):
+        return dense_tp_lh12(w)
     return w
 
 

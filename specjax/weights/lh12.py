@@ -337,13 +337,26 @@ def _encode_planes_jax(w, escaped, base: int, n_escape: int):
     return lo, _pack_nibbles_jax(codes[:, :cp]), flag, jnp.cumsum(counts) - counts, ov
 
 
-def encode_jax(w: jax.Array) -> Packed12:
+def plan_base_jax(w: jax.Array) -> int:
+    """The window base `encode_jax` would choose for `w` (one host sync)."""
+    return int(_plan_jax(jnp.asarray(w))[0])
+
+
+def encode_jax(w: jax.Array, base: int | None = None) -> Packed12:
     """`encode` on the device for large tensors (benchmarks pack 8B-shaped models with it): the
-    same planes, as jax arrays. One host sync reads the escape count, which sizes `ov`."""
+    same planes, as jax arrays. One host sync reads the escape count, which sizes `ov`. `base`
+    pins the window (shards of one tensor share the whole tensor's: a kernel body is traced once
+    for every device of a mesh, and the base is static in it); default: the best for `w`."""
     w = jnp.asarray(w)
     if w.dtype != jnp.uint16 or w.ndim != 2:
         raise ValueError(f"expected a 2-D uint16 array of bf16 bit patterns, got {w.dtype}{list(w.shape)}")
-    base, escaped = _plan_jax(w)
+    if base is None:
+        base, escaped = _plan_jax(w)
+    else:
+        if not 0 <= base <= LAYOUT.max_base:
+            raise ValueError(f"window base must be in [0, {LAYOUT.max_base}], got {base}")
+        lo, hi = _segment_ranges(w, jnp)
+        escaped = ~((lo >= base) & (hi <= base + LAYOUT.window - 1))
     base, n_escape = int(base), int(escaped.sum())
     lo, code, flag, ovbase, ov = _encode_planes_jax(w, escaped, base, n_escape)
     return Packed12(lo=lo, code=code, flag=flag, ovbase=ovbase, ov=ov, shape=tuple(w.shape), base=base)
