@@ -46,6 +46,25 @@ class AttentionConfig:
             raise ValueError(f"split_s ({self.split_s}) must be a multiple of block_s ({self.block_s})")
 
 
+def online_softmax_init(hd: int):
+    """(output, running max, running sum) of 16 rows before any block."""
+    return (jnp.zeros((ROWS, hd), jnp.float32), jnp.full((ROWS,), MASKED, jnp.float32),
+            jnp.zeros((ROWS,), jnp.float32))
+
+
+def online_softmax_block(q, k, v, visible, scale: float, carry):
+    """One block of slots into the online softmax of 16 query rows: q [16, hd], k/v [block_s, hd],
+    visible [16 or 1, block_s]. Shared by this kernel and tree_attention.py, so both round alike."""
+    o, m, l = carry
+    scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible, scores, MASKED)
+    m_next = jnp.maximum(m, jnp.max(scores, axis=1))
+    correction = jnp.exp(m - m_next)
+    p = jnp.exp(scores - m_next[:, None])
+    o = correction[:, None] * o + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, m_next, correction * l + jnp.sum(p, axis=1)
+
+
 def _kernel(q_ref, k_ref, v_ref, mask_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
             cfg: AttentionConfig, scale: float):
     b, h, r, sp = (pl.program_id(i) for i in range(4))
@@ -57,23 +76,13 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
     nblocks = jnp.maximum(hi - lo + bs - 1, 0) // bs
 
     def body(i, carry):
-        o, m, l = carry
         s0 = pl.multiple_of(lo + i * bs, bs)
         k = k_ref[b, pl.ds(s0, bs), h, :]
-        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-        visible = mask_ref[b, rows, pl.ds(s0, bs)] != 0
-        scores = jnp.where(visible, scores, MASKED)
-        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.exp(scores - m_next[:, None])
         v = v_ref[b, pl.ds(s0, bs), h, :]
-        o = correction[:, None] * o + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_next, correction * l + jnp.sum(p, axis=1)
+        visible = mask_ref[b, rows, pl.ds(s0, bs)] != 0
+        return online_softmax_block(q, k, v, visible, scale, carry)
 
-    hd = q.shape[-1]
-    init = (jnp.zeros((ROWS, hd), jnp.float32), jnp.full((ROWS,), MASKED, jnp.float32),
-            jnp.zeros((ROWS,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, nblocks, body, init)
+    o, m, l = jax.lax.fori_loop(0, nblocks, body, online_softmax_init(q.shape[-1]))
     o_ref[b, h, sp, rows, :] = o
     m_ref[b, h, sp, rows] = m
     l_ref[b, h, sp, rows] = l

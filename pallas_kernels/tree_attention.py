@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention import (MASKED, ROWS, AttentionConfig, _compiler_params,
-                                             combine_splits)
+from pallas_kernels.decode_attention import (ROWS, AttentionConfig, _compiler_params, combine_splits,
+                                             online_softmax_block, online_softmax_init)
 
 
 def _kernel(q_ref, k_ref, v_ref, path_ref, kv_len_ref, start_ref, o_ref, m_ref, l_ref, *,
@@ -39,26 +39,14 @@ def _kernel(q_ref, k_ref, v_ref, path_ref, kv_len_ref, start_ref, o_ref, m_ref, 
     nblocks = jnp.maximum(hi - lo + bs - 1, 0) // bs
 
     def body(n, carry):
-        o, m, l = carry
         s0 = pl.multiple_of(lo + n * bs, bs)
         slots = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
         rel = slots - start  # the path's depth a slot stands for (AR's layout)
         src = jnp.where(rel >= 0, path_ref[b, i, jnp.clip(rel, 0, depth)], slots)
-        k = k_ref[b, src, h, :]
-        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
         visible = (slots < kv_len)[None, :]
-        scores = jnp.where(visible, scores, MASKED)
-        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.exp(scores - m_next[:, None])
-        v = v_ref[b, src, h, :]
-        o = correction[:, None] * o + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_next, correction * l + jnp.sum(p, axis=1)
+        return online_softmax_block(q, k_ref[b, src, h, :], v_ref[b, src, h, :], visible, scale, carry)
 
-    hd = q.shape[-1]
-    init = (jnp.zeros((ROWS, hd), jnp.float32), jnp.full((ROWS,), MASKED, jnp.float32),
-            jnp.zeros((ROWS,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, nblocks, body, init)
+    o, m, l = jax.lax.fori_loop(0, nblocks, body, online_softmax_init(q.shape[-1]))
     o_ref[b, h, i, sp, :, :] = o
     m_ref[b, h, i, sp, :] = m
     l_ref[b, h, i, sp, :] = l
