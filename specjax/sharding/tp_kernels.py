@@ -36,8 +36,7 @@ class TPGemmWeight:
 
     @property
     def local_shape(self) -> tuple[int, int]:
-        n, (k, m) = self.mesh.shape[TP_AXIS], self.shape
-        return (k, m // n) if self.mode == "column" else (k // n, m)
+        return local_shape(self.shape, self.mode, self.mesh.shape[TP_AXIS])
 
     @property
     def specs(self) -> tuple[P, P, P]:
@@ -51,15 +50,30 @@ def mode_of(name: str) -> str | None:
     return "column" if name in COLUMN_PARALLEL else "row" if name in ROW_PARALLEL else None
 
 
-def tp_kernel_weight(name: str, w: jax.Array, mesh: Mesh, config_for, interpret: bool = False):
-    """A `TPGemmWeight` for parameter `name`, or None where the rules do not split it, n does not
-    divide it, or a shard would need padding for its tiles (the caller keeps a whole-matrix kernel
-    weight then: correct, but every device reads all of it)."""
+def local_shape(shape: tuple[int, int], mode: str, n: int) -> tuple[int, int]:
+    """One device's block of a [K, N] matrix split n ways by columns or rows."""
+    k, m = shape
+    return (k, m // n) if mode == "column" else (k // n, m)
+
+
+def split_of(name: str, w, mesh: Mesh) -> tuple[str, tuple[int, int], tuple[int, int]] | None:
+    """(mode, whole shape, one device's shape) of parameter `name` over the mesh, or None where
+    the rules do not split it or n does not divide it."""
     mode, n = mode_of(name), mesh.shape[TP_AXIS]
     k, m = (int(d) for d in w.shape)
     if mode is None or (m if mode == "column" else k) % n:
         return None
-    local = (k, m // n) if mode == "column" else (k // n, m)
+    return mode, (k, m), local_shape((k, m), mode, n)
+
+
+def tp_kernel_weight(name: str, w: jax.Array, mesh: Mesh, config_for, interpret: bool = False):
+    """A `TPGemmWeight` for parameter `name`, or None where the rules do not split it, n does not
+    divide it, or a shard would need padding for its tiles (the caller keeps a whole-matrix kernel
+    weight then: correct, but every device reads all of it)."""
+    split = split_of(name, w, mesh)
+    if split is None:
+        return None
+    mode, (k, m), local = split
     cfg = config_for(local)
     if Geometry.of(local, cfg).npad != local[1]:  # block_n is speed only: the narrowest may fit
         cfg = dataclasses.replace(cfg, block_n=128)

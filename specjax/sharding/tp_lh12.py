@@ -26,7 +26,7 @@ from pallas_kernels.skinny_gemm import GemmConfig, Geometry
 from pallas_kernels.skinny_gemm_lh12 import (Lh12GemmWeight, dense_lh12, natural_order, prepare_lh12,
                                              skinny_gemm_lh12, to_stored_order)
 from specjax.sharding.tp import TP_AXIS
-from specjax.sharding.tp_kernels import mode_of
+from specjax.sharding.tp_kernels import local_shape, split_of
 from specjax.weights.lh12 import LAYOUT, encode_jax, plan_base_jax
 
 PLANES = ("code", "lo", "flag", "ovbase", "ov", "tile_escapes")
@@ -53,8 +53,7 @@ class TPLh12Weight:
 
     @property
     def local_shape(self) -> tuple[int, int]:
-        n, (k, m) = self.mesh.shape[TP_AXIS], self.shape
-        return (k, m // n) if self.mode == "column" else (k // n, m)
+        return local_shape(self.shape, self.mode, self.mesh.shape[TP_AXIS])
 
     @property
     def nbytes(self) -> int:
@@ -86,11 +85,11 @@ def tp_lh12_weight(name: str, w: jax.Array, mesh: Mesh, config_for, interpret: b
     keeps a whole-matrix weight); a reason string where escapes exceed the format's limit (the
     caller keeps it bf16, as `kernel_params` does for one device). `config_for(local_shape)` ->
     the shard's 12-bit config."""
-    mode, n = mode_of(name), mesh.shape[TP_AXIS]
-    k, m = (int(d) for d in w.shape)
-    if mode is None or (m if mode == "column" else k) % n:
+    split = split_of(name, w, mesh)
+    if split is None:
         return None
-    local = (k, m // n) if mode == "column" else (k // n, m)
+    mode, (k, m), local = split
+    n = mesh.shape[TP_AXIS]
     cfg = config_for(local)
     g = Geometry.of(local, cfg)
     if g.kp != local[0]:
