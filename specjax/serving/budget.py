@@ -30,11 +30,13 @@ def admitted_drafts(confidence: jax.Array, active: jax.Array, budget: int | None
 
 
 def layout(table: jax.Array, first_pos: jax.Array, col0: int, width: int, counts: jax.Array,
-           packed: bool, bucket: int) -> FlatBatch:
+           packed: bool, bucket: int, depths: jax.Array | None = None,
+           ancestors: jax.Array | None = None) -> FlatBatch:
     """Tokens table[b, col0 : col0 + counts[b]] at positions first_pos[b] + col0 + j as one flat
     batch. Padded: slot b owns flat tokens b * width .. (b + 1) * width - 1 (T = B * width).
     Packed: slots follow each other without gaps in a bucket of `bucket` tokens (the caller
-    guarantees sum(counts) <= bucket)."""
+    guarantees sum(counts) <= bucket). Trees (col0 = 0, width = nodes): node j is written at
+    first_pos[b] + j and rotated at first_pos[b] + depths[b, j], under `ancestors` [B, W, W]."""
     B = table.shape[0]
     if packed:
         ends = jnp.cumsum(counts)
@@ -49,7 +51,8 @@ def layout(table: jax.Array, first_pos: jax.Array, col0: int, width: int, counts
     col = jnp.clip(col, 0, width - 1)
     tokens = table[row, col0 + col]
     positions = first_pos[row] + col0 + col
-    return flat_batch(tokens, positions, row, col, valid, B, width)
+    rope = None if depths is None else first_pos[row] + depths[row, col]
+    return flat_batch(tokens, positions, row, col, valid, B, width, rope, ancestors)
 
 
 def choose_budget(verify_seconds, alpha, batch: int, k: int) -> int:

@@ -27,7 +27,8 @@ class ServingDecoder:
     def _shape(self, prompts):
         width = max(self.prompt_width, max(len(p) for p in prompts))
         k = 0 if self.drafter is None else self.drafter.k
-        slot_len = -(-(width + self.gen.max_new_tokens + k + 1) // self.page_size) * self.page_size
+        over = self.options.check(k, self.num_slots).overshoot(k)
+        slot_len = -(-(width + self.gen.max_new_tokens + over + 1) // self.page_size) * self.page_size
         return width, slot_len
 
     def pack(self, prompts):

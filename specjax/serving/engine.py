@@ -99,6 +99,9 @@ class ServingEngine:
         self.k = 0 if drafter is None else drafter.k
         self.options = options.check(self.k, num_slots)
         self.gen = GenerationConfig(max_new_tokens=slot_len, sampling=sampling, stop_tokens=tuple(stop_tokens))
+        if self.options.tree is not None:
+            from specjax.decoding.tree import check_tree_drafter
+            check_tree_drafter(drafter, self.options.tree, self.gen)
         self.num_slots, self.slot_len, self.page_size = num_slots, slot_len, page_size
         self.num_pages = num_pages or num_slots * (slot_len // page_size) + 1
         self.queue_len = queue_len or num_slots
@@ -132,10 +135,11 @@ class ServingEngine:
         if n > self.prompt_width:
             raise ConfigError(f"prompt has {n} tokens; this engine admits at most prompt_width="
                               f"{self.prompt_width}")
-        need = reserve(n, max_new_tokens, self.k)
+        over = self.options.overshoot(self.k)
+        need = reserve(n, max_new_tokens, over)
         if need > self.slot_len:
             raise ConfigError(f"request needs {need} cache positions (prompt {n} + max_new_tokens "
-                              f"{max_new_tokens} + {self.k + 1} for one step's drafts) but a slot holds "
+                              f"{max_new_tokens} + {over + 1} for one step's drafts) but a slot holds "
                               f"slot_len={self.slot_len}")
         if n + max_new_tokens > self.cfg.max_position_embeddings:
             raise ConfigError(f"prompt {n} + max_new_tokens {max_new_tokens} exceeds the model context "

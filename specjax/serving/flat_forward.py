@@ -32,19 +32,40 @@ class FlatBatch:
     col: jax.Array  # [T] column in the row's token list
     valid: jax.Array  # [T] bool: padding tokens write to the trash page and are never read
     unpack: jax.Array  # [R, W] flat index of (row, column); 0 where the row has no such token
+    rope: jax.Array  # [T] RoPE positions: `positions` for chains; a tree node's depth below its root
+    # trees: [R, W, W] column j is column w itself or an ancestor of it (None: causal by position)
+    ancestors: jax.Array | None = None
 
     @property
     def width(self) -> int:
         return self.unpack.shape[1]
 
 
-def flat_batch(tokens, positions, row, col, valid, num_rows: int, width: int) -> FlatBatch:
+def flat_batch(tokens, positions, row, col, valid, num_rows: int, width: int, rope=None,
+               ancestors=None) -> FlatBatch:
     T = tokens.shape[0]
     r = jnp.where(valid, row, num_rows)  # out of range: dropped
     unpack = jnp.zeros((num_rows, width), jnp.int32).at[r, col].set(jnp.arange(T, dtype=jnp.int32),
                                                                      mode="drop")
-    return FlatBatch(tokens.astype(jnp.int32), positions.astype(jnp.int32), row.astype(jnp.int32),
-                     col.astype(jnp.int32), valid, unpack)
+    positions = positions.astype(jnp.int32)
+    return FlatBatch(tokens.astype(jnp.int32), positions, row.astype(jnp.int32), col.astype(jnp.int32),
+                     valid, unpack, positions if rope is None else rope.astype(jnp.int32), ancestors)
+
+
+def visibility(batch: FlatBatch, view_len: int) -> jax.Array:
+    """[R, W, S] bool: what column w of row r attends to. Chains: the row's positions <= its own.
+    Trees (node j of a row at position first + j, first = its root's): positions before the root
+    and the positions of its ancestors (itself included)."""
+    qpos = batch.positions[batch.unpack]  # [R, W]
+    s = jnp.arange(view_len)[None, None, :]
+    if batch.ancestors is None:
+        return s <= qpos[:, :, None]
+    first = qpos[:, :1, None]  # the root's position
+    rel = s - first
+    W = batch.width
+    node = jnp.take_along_axis(batch.ancestors, jnp.broadcast_to(jnp.clip(rel, 0, W - 1),
+                                                                 (qpos.shape[0], W, view_len)), axis=2)
+    return (rel < 0) | ((rel < W) & node)
 
 
 def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,
@@ -53,18 +74,19 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
     """-> (final-normed hidden [T, D], tapped residuals [T, len(taps) * D] or None, new cache).
 
     Causal within each row by position: the token at position p sees the row's positions <= p,
-    which are either committed or written by this very call (a chain's tokens)."""
+    which are either committed or written by this very call (a chain's tokens); a tree's node sees
+    the positions before its root and its ancestors' (`visibility`)."""
     page, offset = token_pages(pages, batch.row, batch.positions, batch.valid, cache.page_size)
     qpos = batch.positions[batch.unpack]  # [R, W]
     view_len = pages.shape[1] * cache.page_size
-    mask = jnp.arange(view_len)[None, None, :] <= qpos[:, :, None]  # [R, W, S]
+    mask = visibility(batch, view_len)  # [R, W, S]
     # Pages are reused: past a row's last position this call writes, a view holds another
     # request's leftovers, possibly NaN from a failed one, and 0 * NaN = NaN in the weighted sum
     # over V even where the mask is 0. Zero V there, so one request cannot poison another.
     last = jnp.full(pages.shape[0], -1, jnp.int32).at[batch.row].max(
         jnp.where(batch.valid, batch.positions, -1))
     live = (jnp.arange(view_len)[None, :] <= last[:, None])[:, :, None, None]  # [R, S, 1, 1]
-    cos, sin = rope_cos_sin(cfg, batch.positions[None])
+    cos, sin = rope_cos_sin(cfg, batch.rope[None])
     x = params.embed[batch.tokens][None]  # [1, T, D]
     new_k, new_v, tapped = [], [], {}
     for i, (p, kp, vp) in enumerate(zip(params.layers, cache.k, cache.v)):
@@ -72,6 +94,9 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
             kp = write_tokens(kp, k[0], page, offset)
             vp = write_tokens(vp, v[0], page, offset)
             if attention != "xla":
+                if batch.ancestors is not None:
+                    raise NotImplementedError("tree verification with the paged attention kernel: "
+                                              "use attention='xla' (docs/design/serving_trees.md)")
                 from pallas_kernels.paged_attention import paged_attention
                 mixed = paged_attention(q[0][batch.unpack], kp, vp, pages, qpos, last + 1,
                                         interpret=attention == "interpret")

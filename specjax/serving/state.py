@@ -31,6 +31,9 @@ class ServingOptions:
     attention: the verify steps' attention over the paged cache: "xla" (each row's pages gathered
         into a view), "pallas" (the ragged paged attention kernel, `pallas_kernels/paged_attention.py`;
         GPU) or "interpret" (that kernel in Pallas interpret mode, for CPU tests).
+    tree: verify a tree of drafts per slot instead of a chain (a `TreeSpec`, or a `TreeShape` for
+        the static builder; docs/design/serving_trees.md). With a budget, each slot verifies the
+        first nodes of its tree (parents before children) that the budget admits.
     """
     budget: int | None = None
     packed: bool = False
@@ -38,6 +41,7 @@ class ServingOptions:
     two_level_k1: int | None = None
     two_level_tokens: int | None = None
     attention: str = "xla"
+    tree: object = None
 
     def check(self, k: int, num_slots: int) -> "ServingOptions":
         if self.budget is not None and not 1 <= self.budget:
@@ -54,11 +58,31 @@ class ServingOptions:
             raise ConfigError("budget and two-level verification need a drafter")
         if self.attention not in ("xla", "pallas", "interpret"):
             raise ConfigError(f"serving attention must be xla, pallas or interpret, got {self.attention!r}")
+        if self.tree is not None:
+            from specjax.trees.builders import as_tree_spec
+            if k == 0:
+                raise ConfigError("tree verification needs a drafter")
+            if self.two_level_k1 is not None:
+                raise NotImplementedError("two-level verification of trees is not built; use chains "
+                                          "(docs/design/serving_trees.md)")
+            if self.attention != "xla":
+                raise NotImplementedError("tree verification with the paged attention kernel is not "
+                                          "built; use attention='xla' (docs/design/serving_trees.md)")
+            return dataclasses.replace(self, tree=as_tree_spec(self.tree))
         return self
+
+    def drafts(self, k: int) -> int:
+        """Draft tokens (tree nodes past the root) one slot verifies at most."""
+        return k if self.tree is None else self.tree.nodes
+
+    def overshoot(self, k: int) -> int:
+        """Positions past the committed length one step may write, the pending token excluded."""
+        return max(k, self.drafts(k))
 
     def draft_budget(self, k: int, num_slots: int) -> int:
         """Draft tokens one step can verify over the batch."""
-        return num_slots * k if self.budget is None else min(self.budget, num_slots * k)
+        n = self.drafts(k)
+        return num_slots * n if self.budget is None else min(self.budget, num_slots * n)
 
 
 @jax.tree_util.register_dataclass

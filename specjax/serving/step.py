@@ -20,6 +20,7 @@ from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_batch, flat_forward
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
 from specjax.serving.state import Queue, ServingOptions, ServingState
+from specjax.serving.tree_step import verify_tree_step
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
 
 
@@ -39,11 +40,12 @@ def reserve(plen, max_new, k: int):
     return plen + max_new + k + 1
 
 
-def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing: bool, st: ServingState
-              ) -> ServingState:
-    """Prefill the queue's head into the first free slot (the caller checked both exist)."""
+def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing: bool, overshoot: int,
+              st: ServingState) -> ServingState:
+    """Prefill the queue's head into the first free slot (the caller checked both exist).
+    overshoot: positions one verify step writes past the committed length (`ServingOptions.overshoot`)."""
     s, q = st.slots, st.queue
-    k = 0 if drafter is None else drafter.k
+    k = overshoot
     slot = jnp.argmin(s.busy)
     prompt, plen, max_new = q.tokens[0], q.length[0], q.max_new[0]
     P, L = prompt.shape[0], s.seqs.tokens.shape[1]
@@ -89,16 +91,16 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
     return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key)
 
 
-def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState) -> ServingState:
+def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0) -> ServingState:
     """Admit queued requests in order while a slot and the head's pages are free."""
-    k = 0 if drafter is None else drafter.k
+    k = overshoot
 
     def can(st):
         q = st.queue
         need = pages_needed(reserve(q.length[0], q.max_new[0], k), st.cache.page_size)
         return (q.count > 0) & ~jnp.all(st.slots.busy) & (jnp.sum(st.free) >= need)
 
-    return jax.lax.while_loop(can, functools.partial(admit_one, params, cfg, drafter, gen, forcing), st)
+    return jax.lax.while_loop(can, functools.partial(admit_one, params, cfg, drafter, gen, forcing, k), st)
 
 
 def _level(params, cfg, st, taps, table, first_pos, col0, width, counts, packed, bucket, attention="xla"):
@@ -252,8 +254,10 @@ def _serve_call(params, cfg, drafter, gen, opts: ServingOptions, forcing: bool, 
 
     def body(carry):
         st, i = carry
-        st = admit(params, cfg, drafter, gen, forcing, st)
-        st = retire(verify_step(params, cfg, drafter, gen, opts, forcing, st))
+        k = 0 if drafter is None else drafter.k
+        st = admit(params, cfg, drafter, gen, forcing, st, opts.overshoot(k))
+        step = verify_step if opts.tree is None else verify_tree_step
+        st = retire(step(params, cfg, drafter, gen, opts, forcing, st))
         return st, i + 1
 
     return jax.lax.while_loop(cond, body, (st, jnp.int32(0)))

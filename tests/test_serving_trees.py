@@ -1,0 +1,82 @@
+"""Tree verification in the serving engine (specjax/serving/tree_step.py): every request passes
+token forcing and free-running equals AR, with trees under each batching mechanism that supports
+them (budget, packed, device-resident steps), block and AR drafters, requests arriving and leaving
+at any step; the configurations it does not support say so."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from specjax.decoding.sequences import GenerationConfig
+from specjax.drafters.ngram import NgramDrafter
+from specjax.engine import Decoder
+from specjax.errors import ConfigError
+from specjax.serving import ServingEngine, ServingOptions
+from specjax.trees.builders import TreeSpec
+from specjax.trees.shape import TreeShape
+from test_serving import assert_forcing, make_drafter, random_prompts
+
+TREES = {"topk": TreeSpec("topk", 6, 3), "best_first": TreeSpec("best_first", 7, 3),
+         "static": TreeShape.for_budget(6, 3)}
+MECHANISMS = {
+    "stock": {},
+    "budget": dict(budget=5),
+    "packed": dict(packed=True),
+    "all": dict(budget=7, packed=True, steps_per_call=8),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_model(seed=1)
+    rng = np.random.default_rng(2)
+    prompts = random_prompts(rng, 6, 8)
+    gen = GenerationConfig(max_new_tokens=18)
+    return cfg, params, prompts, Decoder(cfg, params, gen).generate(prompts)
+
+
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
+def test_trees_under_each_mechanism_pass_forcing(tiny, mechanism):
+    cfg, params, prompts, reference = tiny
+    drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
+    opts = ServingOptions(tree=TREES["topk"], **MECHANISMS[mechanism])
+    engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=8, options=opts,
+                           forcing=True)
+    assert_forcing(engine, prompts, reference, 18)
+
+
+@pytest.mark.parametrize("kind,tree", [("block", "best_first"), ("small", "topk"), ("ngram", "static")])
+def test_free_running_trees_equal_ar(kind, tree):
+    """No forcing: each request's own output equals AR's; more requests than slots, so slots are
+    recycled while others are mid-tree."""
+    cfg, params = tiny_model(seed=3, num_layers=2)
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 5, 10)
+    gen = GenerationConfig(max_new_tokens=16)
+    ar = Decoder(cfg, params, gen).generate(prompts).tokens
+    drafter = make_drafter(kind, cfg, params, 4)
+    if kind == "ngram":
+        drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
+    engine = ServingEngine(cfg, params, drafter, num_slots=2, slot_len=64, page_size=8,
+                           options=ServingOptions(tree=TREES[tree], packed=True))
+    rids = [engine.submit(p, 16) for p in prompts]
+    results = engine.run()
+    assert [results[r].tokens for r in rids] == ar
+    assert sum(results[r].committed for r in rids) > sum(results[r].rounds for r in rids)  # trees paid
+
+
+def test_tree_configurations_not_built_say_so(tiny):
+    cfg, params, _, _ = tiny
+    drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
+    with pytest.raises(NotImplementedError, match="two-level verification of trees"):
+        ServingEngine(cfg, params, drafter, options=ServingOptions(tree=TREES["topk"], two_level_k1=2))
+    with pytest.raises(NotImplementedError, match="paged attention kernel"):
+        ServingEngine(cfg, params, drafter, page_size=16,
+                      options=ServingOptions(tree=TREES["topk"], attention="interpret"))
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        ServingEngine(cfg, params, None, options=ServingOptions(tree=TREES["topk"]))
+    with pytest.raises(ValueError, match="exceeds the drafter"):
+        ServingEngine(cfg, params, NgramDrafter(k=2, vocab_size=cfg.vocab_size),
+                      options=ServingOptions(tree=TREES["topk"]))
