@@ -1,6 +1,6 @@
 """Sampled serving follows the target's distribution exactly, with the batching mechanisms on:
-the first three tokens of 20,000 requests through the continuous-batching engine against the
-exact joint distribution (chi-square at fixed seeds, as tests/test_sampling_exactness.py)."""
+the first three tokens of 20,000 requests through the continuous-batching engine (chains, and a
+budgeted tree) against the exact joint distribution (chi-square at fixed seeds, as tests/test_sampling_exactness.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_model
 from specjax.serving import ServingEngine, ServingOptions
+from specjax.trees.builders import TreeSpec
 from test_sampling_exactness import PROMPT, SAMPLINGS, V, chi_square_p, exact_joint, make
 
 DRAWS = 20_000
@@ -17,6 +18,8 @@ CASES = {  # drafter, sampling, mechanisms (two-level draws its uniforms once pe
     "ngram_all": ("ngram", "t1", ServingOptions(budget=300, packed=True, steps_per_call=32, two_level_k1=1)),
     "small_two_level": ("small", "t08_p08", ServingOptions(steps_per_call=32, two_level_k1=2)),
     "block_budget": ("block", "t1", ServingOptions(budget=200, packed=True, steps_per_call=32)),
+    "block_tree_budget": ("block", "t08_p08", ServingOptions(budget=300, packed=True, steps_per_call=32,
+                                                            tree=TreeSpec("best_first", 6, 3))),
 }
 
 
