@@ -80,3 +80,13 @@ def test_tree_configurations_not_built_say_so(tiny):
     with pytest.raises(ValueError, match="exceeds the drafter"):
         ServingEngine(cfg, params, NgramDrafter(k=2, vocab_size=cfg.vocab_size),
                       options=ServingOptions(tree=TREES["topk"]))
+
+
+def test_the_search_sends_trees_with_batching_to_the_serving_engine():
+    from specjax.search.registry import REGISTRY
+    config = {"drafter.kind": "ngram", "drafter.k": 4, "tree.nodes": 6, "tree.builder": "topk",
+              "serving.packed": "on", "serving.two_level_k1": 2, "serving.attention": "kernel"}
+    opts = REGISTRY.apply(config)["serving"]
+    assert opts.tree == TreeSpec("topk", 6, 4) and opts.packed
+    assert opts.two_level_k1 is None and opts.attention == "xla"  # built for chains only
+    assert REGISTRY.apply(dict(config, **{"serving.packed": "off", "serving.two_level_k1": 0}))["serving"] is None

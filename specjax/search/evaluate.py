@@ -169,9 +169,10 @@ class Evaluator(Plan):
         changes = engine_changes(config)
         if "serving" in changes:  # a batching mechanism: the continuous-batching engine, `batch` slots
             from specjax.serving.decoder import ServingDecoder
-            rest = {k: v for k, v in changes.items() if k != "serving"}
+            skip = ("serving", "tree")  # a tree rides in the serving options
+            rest = {k: v for k, v in changes.items() if k not in skip}
             if rest:
-                raise ConfigError(f"the serving engine runs bf16 XLA weights with chains; this config also "
+                raise ConfigError(f"the serving engine runs bf16 XLA weights; this config also "
                                   f"sets {sorted(rest)}")
             mesh = None
             if getattr(self, "tp", 1) > 1:  # plans built before tp existed, and test fakes

@@ -306,7 +306,8 @@ SERVING_STEPS = (0, 1, 4, 16)  # 0: the batch engine (engine.Decoder); n: the se
 def _serving_options(config: dict):
     """The serving engine's ServingOptions, or None (stock: the batch engine). Any batching
     mechanism switches to the continuous-batching engine (specjax/serving/); two-level
-    verification needs a chain of at least 2 drafts, trees stay on the batch engine."""
+    verification needs a chain of at least 2 drafts; trees verify there with the budget, packing
+    and device-resident steps, over XLA's paged attention (docs/design/serving_trees.md)."""
     budget = int(config.get("serving.budget", 0))
     packed = config.get("serving.packed", "off") == "on"
     steps = int(config.get("serving.steps_per_call", 0))
@@ -315,11 +316,15 @@ def _serving_options(config: dict):
     if k == 0:
         budget, k1 = 0, 0
     k1 = k1 if 0 < k1 < k else 0
-    if not (budget or packed or steps or k1) or tree_nodes(config):
+    tree = _tree_spec(config)
+    if tree is not None:
+        k1 = 0  # two-level verification is built for chains only
+    if not (budget or packed or steps or k1):
         return None
     from specjax.serving.state import ServingOptions
     return ServingOptions(budget=budget or None, packed=packed, steps_per_call=max(steps, 1),
-                          two_level_k1=k1 or None, attention=_serving_attention(config))
+                          two_level_k1=k1 or None, tree=tree,
+                          attention="xla" if tree is not None else _serving_attention(config))
 
 
 def _serving_attention(config: dict) -> str:
