@@ -155,17 +155,22 @@ def test_smollm2_humaneval_all_mechanisms(smollm2):
     assert_forcing(engine, prompts, reference, 24)
 
 
-def test_soak_thousand_requests():
+@pytest.mark.parametrize("verify", ["chains", "trees"])
+def test_soak_thousand_requests(verify):
     """1,000 requests of random lengths, arriving at random steps, some cancelled: every other
-    request finishes, exactly (forced along its AR reference)."""
+    request finishes, exactly (forced along its AR reference); chains with every mechanism, or
+    trees with the budget, packing and device-resident steps."""
+    from specjax.trees.builders import TreeSpec
     cfg, params = tiny_model(seed=6, vocab_size=24, num_layers=2, hidden_size=16, intermediate_size=32)
     rng = np.random.default_rng(7)
     n, max_new = 1000, 12
     prompts = random_prompts(rng, n, 6, 1, 12)
     reference = Decoder(cfg, params, GenerationConfig(max_new_tokens=max_new)).generate(prompts)
-    engine = ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=16, slot_len=32, page_size=4,
-                           num_pages=60, queue_len=16, prompt_width=12, forcing=True,
-                           options=ServingOptions(budget=24, packed=True, steps_per_call=4, two_level_k1=1))
+    opts = (ServingOptions(budget=24, packed=True, steps_per_call=4, two_level_k1=1) if verify == "chains" else
+            ServingOptions(budget=40, packed=True, steps_per_call=4, tree=TreeSpec("topk", 5, 3)))
+    engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=24), num_slots=16, slot_len=32,
+                           page_size=4, num_pages=60, queue_len=16, prompt_width=12, forcing=True,
+                           options=opts)
     pending = list(range(n))
     rids, cancelled = {}, set()
     while pending or not engine.idle:
