@@ -86,7 +86,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: 
     qr = q.astype(k_cache.dtype).reshape(B, N, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, N, G, hd]
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - G), (0, 0)))
     paths = path_slots(ancestors, depths, start, max_depth)
-    kv_len = (start[:, None] + depths + 1).astype(jnp.int32)  # AR's kv_len at position start + depth
+    kv_len = jnp.minimum(start[:, None] + depths + 1, S).astype(jnp.int32)  # AR's at start + depth
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
         functools.partial(_kernel, cfg=config, scale=hd ** -0.5, depth=max_depth),

@@ -226,12 +226,13 @@ def test_decoders_are_reused_across_sets(monkeypatch):
     assert all(r["equal_to_ar"] == r["prompts"] for r in result["rows"])
 
 
-def _record(target: str, hardware: str, k: int, speedup: float):
+def _record(target: str, hardware: str, k: int, speedup: float, batch: int = 1, **extra):
     from specjax.memory.store import MemoryRecord
     return MemoryRecord(
-        spec_name="t", deployment={"target": target, "hardware": hardware, "batch": 1, "prompts": "p",
+        spec_name="t", deployment={"target": target, "hardware": hardware, "batch": batch, "prompts": "p",
                                    "max_new_tokens": 8, "sampling": "greedy", "weight_format": "float32"},
-        config={"drafter.kind": "ngram", "drafter.k": k, "drafter.ngram_max_n": 3}, config_delta={"drafter.k": k},
+        config={"drafter.kind": "ngram", "drafter.k": k, "drafter.ngram_max_n": 3, **extra},
+        config_delta={"drafter.k": k, **extra},
         measured={"tokens_per_s": 10.0 * speedup, "speedup": speedup, "runs": 3, "device": hardware},
         predicted={"tokens_per_s": 10.0, "speedup": 1.0},
         forcing={"checked": 8, "expected": 8, "failures": 0, "near_ties": 0, "tolerance": 1e-3},
@@ -290,3 +291,24 @@ def test_finish_by_skips_a_unit_that_would_overrun():
     result = protocol.run_bench(model, bench, progress=lambda s: None, finish_by=240.0, clock=lambda: next(ticks))
     assert result["skipped"] == ["pydoc B=1"]
     assert [(r["set"], r["batch"]) for r in result["rows"]] == [("humaneval", 1), ("humaneval", 2), ("pydoc", 2)]
+
+
+def test_a_searched_batching_config_runs_in_the_serving_engine(tmp_path):
+    """A record whose config turns batching mechanisms on (and a tree) is benched through the
+    continuous-batching engine with one slot per request of the batch, gated like any method."""
+    from specjax.memory.store import MemoryStore
+    from specjax.serving.decoder import ServingDecoder
+    cfg, params = tiny_model(seed=6)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    store = MemoryStore(tmp_path / "mem")
+    store.put(_record("tiny", "cpu", 3, 1.3, batch=2, **{"serving.packed": "on", "serving.steps_per_call": 4,
+                                                         "tree.nodes": 4, "tree.builder": "topk"}))
+    raw = {"deployment": "t", "model": "tiny", "sets": {"humaneval": 2}, "max_new_tokens": 6, "repeats": 1,
+           "batch_sizes": [2], "methods": [{"name": "searched", "memory": {"hardware": "cpu", "batch": 2}}]}
+    cache = protocol.DecoderCache(model, bench_config_from_dict(raw),
+                                  protocol.searched_records(bench_config_from_dict(raw), store))
+    dec = cache.get(bench_config_from_dict(raw).methods[0], 2, 16)
+    assert isinstance(dec, ServingDecoder) and dec.num_slots == 2 and dec.options.tree is not None
+    result = protocol.run_bench(model, bench_config_from_dict(raw), progress=lambda s: None, store=store)
+    row = next(r for r in result["rows"] if r["method"] == "searched")
+    assert row["lossless"] is True and row["equal_to_ar"] == 2

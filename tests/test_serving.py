@@ -292,3 +292,23 @@ def test_cancel_and_failing_request_leave_others_exact():
     for i in (0, 2, 3, 4):
         assert results[rids[i]].status == "finished"
         assert results[rids[i]].tokens == reference.tokens[i]
+
+
+def test_serving_decoder_runs_the_pallas_gemms():
+    """ServingDecoder(kernels=...) serves on our GEMM, norm and attention kernels (interpret mode
+    here) as engine.Decoder does, chains and trees: token-exact against that engine's AR with no
+    near-tie allowance (the same kernels round every row alike)."""
+    from specjax.forcing import check_token_forcing
+    from specjax.serving.decoder import ServingDecoder
+    cfg, params = tiny_model(seed=2, dtype="bfloat16")
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, 3, 8)
+    gen = GenerationConfig(max_new_tokens=10)
+    reference = Decoder(cfg, params, gen, kernels="interpret").generate(prompts)
+    from specjax.trees.builders import TreeSpec
+    for opts in (ServingOptions(packed=True), ServingOptions(budget=4, tree=TreeSpec("topk", 5, 3))):
+        dec = ServingDecoder(cfg, params, gen, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
+                             options=opts, kernels="interpret")
+        assert type(dec.params.layers[0].w_qkv).__name__ == "GemmWeight"
+        report = check_token_forcing(dec, prompts, reference, tolerance=0.0)
+        assert report.passed and not report.failures, report.summary()

@@ -87,18 +87,25 @@ def searched_records(cfg: BenchConfig, store) -> dict[str, object]:
     return out
 
 
-def searched_decoder(model, config: dict, gen: GenerationConfig, kernels: str) -> Decoder:
-    """A searched mechanism config (registry names, as a memory record keeps it) -> its Decoder."""
+def searched_decoder(model, config: dict, gen: GenerationConfig, kernels: str, batch: int = 1) -> Decoder:
+    """A searched mechanism config (registry names, as a memory record keeps it) -> its Decoder;
+    a config with batching mechanisms -> the continuous-batching engine behind the same
+    interface (`ServingDecoder`, `batch` slots, the bench's GEMMs: `kernels`)."""
     from specjax.drafters.factory import make_drafter
     from specjax.search.evaluate import engine_changes
     from specjax.search.registry import REGISTRY
     kw = REGISTRY.apply(config)
     changes = engine_changes(config)
-    if "serving" in changes:
-        raise NotImplementedError("a searched batching (serving) config runs in the serving engine, which "
-                                  "`specjax bench` does not drive yet; pick a record with chain/tree mechanisms")
-    changes.setdefault("kernels", kernels)
     drafter = None if kw["drafter"] is None else make_drafter(kw["drafter"], model, kw["k"])
+    if "serving" in changes:
+        from specjax.serving.decoder import ServingDecoder
+        rest = sorted(set(changes) - {"serving", "tree", "kernels"})
+        if rest:
+            raise NotImplementedError(f"a searched batching config with {rest}: the serving engine "
+                                      "reads bf16 weights")
+        return ServingDecoder(model.cfg, model.params, gen, drafter, num_slots=batch,
+                              options=changes["serving"], kernels=changes.get("kernels", kernels))
+    changes.setdefault("kernels", kernels)
     return Decoder(model.cfg, model.params, gen, drafter, **changes)
 
 
@@ -126,7 +133,7 @@ class DecoderCache:
         key = (method.name, batch)
         if key not in self._decoders and method.memory is not None:
             self._decoders[key] = searched_decoder(self.model, self.searched[method.name].config, self.gen,
-                                                   method.kernels or self.cfg.kernels)
+                                                   method.kernels or self.cfg.kernels, batch)
         elif key not in self._decoders:
             self._decoders[key] = make_decoder(self.model, method, self.gen, self.cfg.kernels)
         dec = self._decoders[key]

@@ -18,7 +18,16 @@ from specjax.serving.state import ServingOptions
 class ServingDecoder:
     def __init__(self, cfg, params, gen: GenerationConfig, drafter=None, num_slots: int = 4,
                  options: ServingOptions = ServingOptions(), page_size: int = 16,
-                 prompt_width: int = 0, mesh=None):
+                 prompt_width: int = 0, mesh=None, kernels: str = "xla"):
+        """kernels: the target's GEMMs and norms: "xla", or our Pallas kernels ("pallas" on a GPU,
+        "interpret" on a CPU; `engine.resolve_kernels` spells "auto"), as engine.Decoder runs them."""
+        from specjax.engine import resolve_kernels
+        self.kernels = resolve_kernels(kernels, cfg)
+        if self.kernels != "xla":
+            if mesh is not None:
+                raise NotImplementedError("the serving engine with the Pallas GEMMs under a mesh: use kernels='xla'")
+            from specjax.models.kernel_params import prepare_kernel_params
+            params, _ = prepare_kernel_params(params, cfg, interpret=self.kernels == "interpret")
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.mesh = mesh  # tensor parallelism (passed to each ServingEngine)
         self.num_slots, self.options, self.page_size = num_slots, options, page_size

@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.tree_attention import tree_attention
 from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
 from specjax.models.rope import rope_cos_sin
@@ -68,6 +70,17 @@ def visibility(batch: FlatBatch, view_len: int) -> jax.Array:
     return (rel < 0) | ((rel < W) & node)
 
 
+def _kernel_attention(interpret: bool, batch: FlatBatch, q, k_view, v_view, mask, kv_len):
+    """q [R, W, Hq, hd] over the rows' views: `decode_attention` (chains), or `tree_attention`
+    (trees: each node's path gathered into AR's positions)."""
+    if batch.ancestors is None:
+        return decode_attention(q, k_view, v_view, mask, kv_len, interpret=interpret)
+    first = batch.positions[batch.unpack][:, 0]  # the root's position
+    W = batch.width
+    depths = jnp.clip(batch.rope[batch.unpack] - first[:, None], 0, W - 1)
+    return tree_attention(q, k_view, v_view, first, batch.ancestors, depths, W - 1, interpret=interpret)
+
+
 def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,
                  cache: PagedKVCache, taps: tuple[int, ...] = (), attention: str = "xla"
                  ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
@@ -102,8 +115,13 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
                                         interpret=attention == "interpret")
                 return mixed[batch.row, batch.col][None], (kp, vp)
             v_view = jnp.where(live, gather_view(vp, pages), 0)
-            mixed = dense_attention(cfg, q[0][batch.unpack], gather_view(kp, pages), v_view,
-                                    mask)  # [R, W, q_size]
+            if params.attention == "xla":
+                mixed = dense_attention(cfg, q[0][batch.unpack], gather_view(kp, pages), v_view,
+                                        mask)  # [R, W, q_size]
+            else:  # kernel weights: engine.Decoder's attention kernels over the view, so every
+                # row rounds as that engine's AR step does (the view holds positions in order)
+                mixed = _kernel_attention(params.attention == "interpret", batch, q[0][batch.unpack],
+                                          gather_view(kp, pages), v_view, mask, last + 1)
             return mixed[batch.row, batch.col][None], (kp, vp)
         x, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend, norm=params.norm)
         new_k.append(kp)
