@@ -240,8 +240,9 @@ def test_bad_requests_get_clear_errors():
                         layer_types=("linear_attention", "full_attention"), num_heads=2, num_kv_heads=1,
                         head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
                         linear_key_head_dim=8, linear_value_head_dim=8, dtype="float32")
-    with pytest.raises(NotImplementedError, match="dense targets"):
-        ServingEngine(hcfg, init_random_hybrid_params(hcfg, jax.random.PRNGKey(0)))
+    with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
+        ServingEngine(hcfg, init_random_hybrid_params(hcfg, jax.random.PRNGKey(0)), NgramDrafter(k=2),
+                      options=ServingOptions(packed=True))
 
 
 def test_paged_attention_kernel_serves_exactly():

@@ -74,9 +74,13 @@ class ServingEngine:
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
                  mesh=None, shard_drafter: bool = False):
-        if is_hybrid(cfg):
-            raise NotImplementedError("the serving engine serves dense targets; hybrid targets run "
-                                      "in engine.Decoder (a batch at a time)")
+        if is_hybrid(cfg) and (options.budget is not None or options.packed or options.two_level_k1 is not None
+                               or options.attention != "xla" or mesh is not None):
+            raise NotImplementedError("hybrid targets in the serving engine: the padded layout with XLA's "
+                                      "attention only (no budget, packing, two-level verification, paged "
+                                      "attention kernel or mesh yet: docs/design/serving_hybrid.md)")
+        if is_hybrid(cfg) and forcing and drafter is None:
+            raise NotImplementedError("token forcing of plain AR on a hybrid target in the serving engine")
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:
             raise ConfigError(f"need num_slots >= 1 and slot_len a multiple of page_size, got "
                               f"num_slots={num_slots}, slot_len={slot_len}, page_size={page_size}")
@@ -109,6 +113,10 @@ class ServingEngine:
         self.max_waiting, self.forcing = max_waiting, forcing
         self.state = init_state(cfg, drafter, num_slots, slot_len, page_size, self.num_pages,
                                 self.queue_len, self.prompt_width, 2 * num_slots, seed)
+        if is_hybrid(cfg):
+            from specjax.serving.hybrid_step import init_recurrent, replay_width
+            self.state = dataclasses.replace(self.state, recurrent=init_recurrent(
+                cfg, num_slots, replay_width(self.options, self.k) if drafter is not None else 0))
         self._call = serve_call_donating if jax.devices()[0].platform == "gpu" else serve_call
         self._rids = itertools.count()
         self._waiting: deque[_Request] = deque()  # host side, not yet on the device

@@ -35,10 +35,21 @@ class PagedKVCache:
 
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> PagedKVCache:
+    """A pool per attention layer (every layer of a dense target; a hybrid target's attention
+    layers only)."""
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
-    return PagedKVCache(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-                        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)])
+    layers = len(cfg.attn_layers) if hasattr(cfg, "attn_layers") else cfg.num_layers
+    return PagedKVCache(k=[jnp.zeros(shape, dtype) for _ in range(layers)],
+                        v=[jnp.zeros(shape, dtype) for _ in range(layers)])
+
+
+def scatter_view(pool: jax.Array, pages: jax.Array, view: jax.Array) -> jax.Array:
+    """Inverse of `gather_view`: each row's [P * page_size, ...] positions back into its pages
+    (rows' unused block-table entries all point at the trash page: whatever lands there is never
+    read)."""
+    R, P = pages.shape
+    return pool.at[pages].set(view.reshape((R, P, pool.shape[1]) + pool.shape[2:]).astype(pool.dtype))
 
 
 def token_pages(pages: jax.Array, row: jax.Array, positions: jax.Array, valid: jax.Array,

@@ -142,6 +142,9 @@ class ServingState:
     queue: Queue
     outbox: Outbox
     key: jax.Array
+    # hybrid targets: each slot's GDN states, conv windows and deferred path (a `HybridCache`
+    # without K/V, which live in `cache`'s pages); None for dense targets
+    recurrent: object = None
 
 
 def empty_forced(rows: int, length: int) -> Forced:

@@ -20,6 +20,7 @@ from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_batch, flat_forward
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
 from specjax.serving.state import Queue, ServingOptions, ServingState
+from specjax.serving.hybrid_step import admit_hybrid, verify_hybrid_step
 from specjax.serving.tree_step import verify_tree_step
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
 
@@ -52,10 +53,15 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
     row, free = allocate(st.free, pages_needed(reserve(plen, max_new, k), st.cache.page_size),
                          s.pages.shape[1])
     idx = jnp.arange(P, dtype=jnp.int32)
-    batch = flat_batch(prompt, idx, jnp.zeros(P, jnp.int32), idx, idx < plen, 1, P)
     taps = getattr(drafter, "taps", ())
-    hidden, features, cache = flat_forward(params, cfg, batch, row[None], st.cache, taps)
-    logits = target_logits(params, cfg, hidden[plen - 1])[None]  # [1, V]
+    recurrent = st.recurrent
+    if recurrent is None:
+        batch = flat_batch(prompt, idx, jnp.zeros(P, jnp.int32), idx, idx < plen, 1, P)
+        hidden, features, cache = flat_forward(params, cfg, batch, row[None], st.cache, taps)
+        logits = target_logits(params, cfg, hidden[plen - 1])[None]  # [1, V]
+        features = None if features is None else features[None]
+    else:  # a hybrid target: the decoder's prompt forward, its GDN states into the slot's row
+        logits, features, cache, recurrent = admit_hybrid(params, cfg, prompt, plen, row, slot, st, taps)
     key, sub = jax.random.split(st.key)
     first = choose_token(logits, gen.sampling, sub)[0]
     failed = ~jnp.all(jnp.isfinite(logits))
@@ -79,7 +85,7 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
         margins=seqs.margins.at[slot].set(jnp.full(L, jnp.inf).at[plen].set(top2_margin(logits)[0])))
     dstate = st.dstate
     if drafter is not None:
-        extra = {"features": features[None]} if taps else {}
+        extra = {"features": features} if taps else {}
         dstate = _set_row(dstate, slot, drafter.init(prompt[None], plen[None], L, **extra))
     slots = dataclasses.replace(
         s, seqs=seqs, busy=s.busy.at[slot].set(True), rid=s.rid.at[slot].set(q.rid[0]),
@@ -88,7 +94,8 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
         committed=s.committed.at[slot].set(0), accepted_hist=s.accepted_hist.at[slot].set(0), failed=s.failed.at[slot].set(failed), forced=forced)
     queue = _pop(q, jnp.arange(q.rid.shape[0]) >= 1)
     queue = dataclasses.replace(queue, count=jnp.maximum(q.count - 1, 0))
-    return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key)
+    return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key,
+                               recurrent=recurrent)
 
 
 def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0) -> ServingState:
@@ -256,7 +263,8 @@ def _serve_call(params, cfg, drafter, gen, opts: ServingOptions, forcing: bool, 
         st, i = carry
         k = 0 if drafter is None else drafter.k
         st = admit(params, cfg, drafter, gen, forcing, st, opts.overshoot(k))
-        step = verify_step if opts.tree is None else verify_tree_step
+        step = verify_hybrid_step if st.recurrent is not None else \
+            verify_step if opts.tree is None else verify_tree_step
         st = retire(step(params, cfg, drafter, gen, opts, forcing, st))
         return st, i + 1
 
