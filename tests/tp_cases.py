@@ -154,6 +154,31 @@ def kernels(seed: int, tp: int):
     np.testing.assert_array_equal(np.asarray(tp_gemm(x, col)),
                                   np.asarray(skinny_gemm(x, one.params.layers[0].w_gate_up)))
     print(f"ok kernels seed {seed} tp {tp}: column-parallel GEMM bitwise equal to one device")
+    # the attention kernels split by KV heads: bitwise the one-device kernels
+    from pallas_kernels.decode_attention import decode_attention
+    from pallas_kernels.tree_attention import tree_attention
+    from specjax.models.transformer import causal_slot_mask
+    from specjax.sharding.tp_attention import bind, head_parallel, splits_heads
+    from specjax.trees.tree import Tree
+    assert sharded.params.mesh is mesh and splits_heads(mesh, cfg.num_kv_heads)
+    r = np.random.default_rng(seed)
+    B, T, S = 2, 5, 64
+    q = jax.numpy.asarray(r.normal(0, 1, (B, T, cfg.num_heads, cfg.head_dim)), jax.numpy.bfloat16)
+    kc, vc = (jax.numpy.asarray(r.normal(0, 1, (B, S, cfg.num_kv_heads, cfg.head_dim)), jax.numpy.bfloat16)
+              for _ in range(2))
+    start = jax.numpy.array([20, 33], jax.numpy.int32)
+    mask = causal_slot_mask(start, T, S)
+    one_dev = decode_attention(q, kc, vc, mask, start + T, interpret=True)
+    split = head_parallel(bind(decode_attention, interpret=True), mesh, q, kc, vc, mask, start + T)
+    np.testing.assert_array_equal(np.asarray(split, np.float32), np.asarray(one_dev, np.float32))
+    tree = Tree(tokens=jax.numpy.zeros((B, T), jax.numpy.int32),
+                parents=jax.numpy.array([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 0]], jax.numpy.int32), max_depth=T - 1)
+    anc = tree.ancestors()
+    args = (start, anc, tree.depths(anc))
+    one_dev = tree_attention(q, kc, vc, *args, T - 1, interpret=True)
+    split = head_parallel(bind(tree_attention, max_depth=T - 1, interpret=True), mesh, q, kc, vc, *args)
+    np.testing.assert_array_equal(np.asarray(split, np.float32), np.asarray(one_dev, np.float32))
+    print(f"ok kernels seed {seed} tp {tp}: attention kernels split by KV heads bitwise equal to one device")
     got = sharded.generate(prompts)
     if all(min(m, default=np.inf) >= TOL for m in reference.margins):
         assert got.tokens == reference.tokens, f"kernels seed {seed} tp {tp}: AR tokens differ"

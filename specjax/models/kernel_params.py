@@ -124,7 +124,8 @@ def prepare_kernel_params(params: ModelParams, cfg: ModelConfig, formats: dict[s
     lm_head, r = prepare("lm_head", "lm_head", head, formats["head"])
     report.append(r)
     mode = "interpret" if interpret else "pallas"
-    return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=mode, norm=mode), report
+    return dataclasses.replace(params, layers=layers, lm_head=lm_head, attention=mode, norm=mode,
+                               mesh=mesh), report
 
 
 def kernels_available() -> bool:

@@ -43,6 +43,9 @@ class ModelParams:
     # RMSNorm implementation, likewise: "xla", or the row-count-invariant kernel
     # (pallas_kernels/rms_norm.py) that keeps AR and verify steps bit-identical in bf16
     norm: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # a "tp" mesh the kernel attention runs split over, one KV-head group per device
+    # (specjax/sharding/tp_attention.py); None: one device, or XLA's partitioner
+    mesh: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def truncate_layers(params: ModelParams, num_layers: int) -> ModelParams:

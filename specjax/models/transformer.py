@@ -21,6 +21,7 @@ from specjax.models.kv_cache import KVCache, write_rows
 from specjax.models.linear import is_kernel_weight, linear
 from specjax.models.params import LayerParams, ModelParams
 from specjax.models.rope import apply_rope, rope_cos_sin
+from specjax.sharding.tp_attention import bind, head_parallel, splits_heads
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, impl: str = "xla") -> jax.Array:
@@ -73,7 +74,7 @@ def dense_attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
 
 
 def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None,
-           attention: str = "xla", norm: str = "xla"):
+           attention: str = "xla", norm: str = "xla", mesh=None):
     """One decoder layer over a dense cache. `mix(h, sublayer)` (block drafters) transforms the
     normed input of the attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block
     convolution. `attention`: "xla", "pallas" or "interpret" (the fused kernel,
@@ -87,10 +88,13 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
             return dense_attention(cfg, q, kc, vc, dense_mask(mask)), (kc, vc)
         interpret = attention == "interpret"
         if isinstance(mask, TreeMask):
-            return tree_attention(q, kc, vc, start, mask.ancestors, mask.depths, mask.max_depth,
-                                  interpret=interpret), (kc, vc)
-        # no slot at or past start + T is visible (causal and tree masks alike)
-        return decode_attention(q, kc, vc, mask, start + T, interpret=interpret), (kc, vc)
+            kernel = bind(tree_attention, max_depth=mask.max_depth, interpret=interpret)
+            args = (start, mask.ancestors, mask.depths)
+        else:  # no slot at or past start + T is visible (causal and tree masks alike)
+            kernel, args = bind(decode_attention, interpret=interpret), (mask, start + T)
+        if splits_heads(mesh, cfg.num_kv_heads):
+            return head_parallel(kernel, mesh, q, kc, vc, *args), (kc, vc)
+        return kernel(q, kc, vc, *args), (kc, vc)
 
     x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix, norm)
     return x, k_cache, v_cache
@@ -155,7 +159,7 @@ def forward_with_taps(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, 
     new_k, new_v, tapped = [], [], {}
     for i, (p, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
         x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention,
-                           norm=params.norm)
+                           norm=params.norm, mesh=params.mesh)
         new_k.append(kc)
         new_v.append(vc)
         if i in taps:
