@@ -28,11 +28,12 @@ from pallas_kernels.decode_attention import (ROWS, AttentionConfig, _compiler_pa
                                              online_softmax_block, online_softmax_init)
 
 
-def _kernel(q_ref, k_ref, v_ref, path_ref, kv_len_ref, start_ref, o_ref, m_ref, l_ref, *,
+def _kernel(q_ref, k_ref, v_ref, path_ref, mask_ref, kv_len_ref, start_ref, o_ref, m_ref, l_ref, *,
             cfg: AttentionConfig, scale: float, depth: int):
     b, h, i, sp = (pl.program_id(n) for n in range(4))
     bs = cfg.block_s
     q = q_ref[b, h, i, :, :]
+    rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
     start, kv_len = start_ref[b], kv_len_ref[b, i]
     lo = sp * cfg.split_s
     hi = jnp.minimum(lo + cfg.split_s, kv_len)
@@ -43,7 +44,9 @@ def _kernel(q_ref, k_ref, v_ref, path_ref, kv_len_ref, start_ref, o_ref, m_ref, 
         slots = s0 + jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
         rel = slots - start  # the path's depth a slot stands for (AR's layout)
         src = jnp.where(rel >= 0, path_ref[b, i, jnp.clip(rel, 0, depth)], slots)
-        visible = (slots < kv_len)[None, :]
+        # read from memory as decode_attention reads its mask ([16, block_s] int8, padded rows all
+        # masked), not computed here: the where/max/sum then take the same layouts on the GPU
+        visible = mask_ref[b, rows, pl.ds(s0, bs)] != 0
         return online_softmax_block(q, k_ref[b, src, h, :], v_ref[b, src, h, :], visible, scale, carry)
 
     o, m, l = jax.lax.fori_loop(0, nblocks, body, online_softmax_init(q.shape[-1]))
@@ -87,6 +90,10 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: 
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - G), (0, 0)))
     paths = path_slots(ancestors, depths, start, max_depth)
     kv_len = jnp.minimum(start[:, None] + depths + 1, S).astype(jnp.int32)  # AR's at start + depth
+    # per node, 16 rows over the (virtual) slots: its G heads see slots < kv_len, padded rows nothing
+    real = jnp.arange(ROWS)[None, None, :, None] < G
+    mrows = (real & (jnp.arange(S)[None, None, None, :] < kv_len[:, :, None, None])).astype(jnp.int8)
+    mrows = mrows.reshape(B, N * ROWS, S)
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
         functools.partial(_kernel, cfg=config, scale=hd ** -0.5, depth=max_depth),
@@ -97,7 +104,7 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: 
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="tree_attention",
-    )(qr, k_cache, v_cache, paths, kv_len, start.astype(jnp.int32))
+    )(qr, k_cache, v_cache, paths, mrows, kv_len, start.astype(jnp.int32))
     out = combine_splits(o.reshape(B, Hkv * N, splits, ROWS, hd), m.reshape(B, Hkv * N, splits, ROWS),
                          l.reshape(B, Hkv * N, splits, ROWS))  # [B, Hkv * N, ROWS, hd]
     out = out.reshape(B, Hkv, N, ROWS, hd)[:, :, :, :G].transpose(0, 2, 1, 3, 4)
