@@ -11,14 +11,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import force
-from specjax.decoding.sequences import GenerationConfig, commit, stop_hit
+from specjax.decoding.sequences import GenerationConfig, stop_hit
 from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
 from specjax.sampling import choose_token, probabilities, top2_margin
 from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_batch, flat_forward
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
+from specjax.serving.round import commit_round
 from specjax.serving.state import Queue, ServingOptions, ServingState
 from specjax.serving.hybrid_step import admit_hybrid, verify_hybrid_step
 from specjax.serving.tree_step import verify_tree_step
@@ -185,23 +185,8 @@ def verify_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, opts: 
         num_accepted, out = greedy_accept(draft, logits, limit)
     else:
         num_accepted, out = rejection_accept(draft, q, probabilities(logits, gen.sampling), key_v, limit)
-    seqs = dataclasses.replace(seqs, done=seqs.done | failed)
-    forced, ref_limit = s.forced, None
-    if forcing:
-        forced, out, num_accepted = force(forced, seqs, out, num_accepted)
-        ref_limit = forced.ref_length
-    before = seqs.length
-    seqs = commit(seqs, out, num_accepted + 1, gen, margins=top2_margin(logits), limit=ref_limit,
-                  max_new=s.max_new)
-    stepped = active & ~failed
-    rate = jnp.where(stepped & (n_drafts > 0),
-                     0.7 * s.accept_rate + 0.3 * num_accepted / jnp.maximum(n_drafts, 1), s.accept_rate)
-    gained = jnp.where(stepped, seqs.length - before, 0)
-    hist = s.accepted_hist + (stepped[:, None] & (jnp.arange(k + 1)[None, :] == gained[:, None] - 1))
-    slots = dataclasses.replace(
-        s, seqs=seqs, accept_rate=rate, rounds=s.rounds + stepped, committed=s.committed + gained,
-        accepted_hist=hist,
-        failed=s.failed | failed, forced=forced)
+    slots = commit_round(s, out, num_accepted, top2_margin(logits), failed, active, n_drafts,
+                         jnp.maximum(n_drafts, 1), gen, forcing)
     return dataclasses.replace(st, slots=slots, dstate=dstate, key=key)
 
 

@@ -12,8 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import force
-from specjax.decoding.sequences import GenerationConfig, commit
+from specjax.decoding.sequences import GenerationConfig
 from specjax.decoding.tree import draft_tree
 from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
@@ -21,6 +20,7 @@ from specjax.sampling import probabilities, top2_margin
 from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_forward
 from specjax.serving.paged_cache import PagedKVCache, token_pages
+from specjax.serving.round import commit_round
 from specjax.serving.state import ServingOptions, ServingState
 from specjax.trees.tree import Tree
 from specjax.trees.verify import greedy_tree_accept, sampled_tree_accept
@@ -87,20 +87,7 @@ def verify_tree_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, o
         dstate = drafter.observe(dstate, jnp.take_along_axis(features[batch.unpack], path[..., None], axis=1),
                                  first)
     margins = jnp.take_along_axis(top2_margin(logits), path, axis=1)
-    seqs = dataclasses.replace(seqs, done=seqs.done | failed)
-    forced, ref_limit = s.forced, None
-    if forcing:
-        forced, out, num_accepted = force(forced, seqs, out, num_accepted)
-        ref_limit = forced.ref_length
-    before = seqs.length
-    seqs = commit(seqs, out, num_accepted + 1, gen, margins=margins, limit=ref_limit, max_new=s.max_new)
+    slots = commit_round(s, out, num_accepted, margins, failed, active, n_nodes,
+                         jnp.maximum(jnp.minimum(n_nodes, spec.max_depth), 1), gen, forcing)
     cache = move_path(cache, s.pages, path, first, active & ~failed)
-    stepped = active & ~failed
-    reach = jnp.maximum(jnp.minimum(n_nodes, spec.max_depth), 1)
-    rate = jnp.where(stepped & (n_nodes > 0), 0.7 * s.accept_rate + 0.3 * num_accepted / reach, s.accept_rate)
-    gained = jnp.where(stepped, seqs.length - before, 0)
-    hist = s.accepted_hist + (stepped[:, None] & (jnp.arange(s.accepted_hist.shape[1])[None, :] == gained[:, None] - 1))
-    slots = dataclasses.replace(s, seqs=seqs, accept_rate=rate, rounds=s.rounds + stepped,
-                                committed=s.committed + gained, accepted_hist=hist,
-                                failed=s.failed | failed, forced=forced)
     return dataclasses.replace(st, slots=slots, cache=cache, dstate=dstate, key=key)
