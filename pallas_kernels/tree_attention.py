@@ -1,4 +1,4 @@
-"""Attention of a token tree's nodes over a dense KV cache, rounding exactly as AR decoding would.
+"""Attention of a token tree's nodes over a dense KV cache, laid out as AR decoding lays it out.
 
 During tree verification node i sits at slot start + i while its ancestors sit at their own node
 slots, with siblings' slots (masked) in between. `decode_attention` under the tree's mask adds
@@ -9,7 +9,10 @@ reads the slots AR would have when it decodes that token: the committed prefix [
 its path (root first, itself last) at slots start .. start + depth, gathered per slot from the node
 slots. Every block then holds the same values at the same lanes as AR's T = 1 step at position
 start + depth (same `block_s`, `split_s`, masks and kv_len), and a row's result never depends on
-another row (one node's query heads per 16-row dot), so tree verification is token-exact.
+another row (one node's query heads per 16-row dot). On the CPU (interpret mode) every node equals
+the AR step bit for bit; on an H100 (2026-12-07) the first version equalled it at 15 of 16 nodes,
+and the mask is now read as decode_attention reads its own (docs/notes/perf.md): a GPU re-check
+(`benchmarks/tree_attention_check.py`) is pending.
 
 Grid (B, KV heads, nodes, splits): a program runs node i's G query heads (padded to 16 rows) over
 one split of slots with `decode_attention`'s online softmax; the splits combine in the same order
