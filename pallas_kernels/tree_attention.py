@@ -69,18 +69,23 @@ def path_slots(ancestors: jax.Array, depths: jax.Array, start: jax.Array, max_de
     return (start[:, None, None] + node).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_depth", "config", "interpret", "first_node"))
 def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
                    ancestors: jax.Array, depths: jax.Array, max_depth: int,
-                   config: AttentionConfig = AttentionConfig(), interpret: bool = False) -> jax.Array:
-    """q [B, N, Hq, hd] of the nodes at slots start + i, caches [B, S, Hkv, hd], start [B],
-    ancestors [B, N, N], depths [B, N] (<= max_depth) -> [B, N, Hq * hd] in q's dtype: node i
-    attends to slots < start and its path, as AR at position start + depth[i] would."""
+                   config: AttentionConfig = AttentionConfig(), interpret: bool = False,
+                   first_node: int = 0) -> jax.Array:
+    """q [B, N, Hq, hd] of nodes first_node .. first_node + N - 1 of trees of A nodes at slots
+    start + node, caches [B, S, Hkv, hd], start [B], ancestors [B, A, A], depths [B, A]
+    (<= max_depth) -> [B, N, Hq * hd] in q's dtype: each node attends to slots < start and its
+    path, as AR at position start + its depth would. A slice of the nodes (first_node > 0) is a
+    second verify level whose ancestors' K/V the first level already wrote."""
     B, N, Hq, hd = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
-    if Hq % Hkv or k_cache.shape != v_cache.shape or ancestors.shape != (B, N, N) or depths.shape != (B, N):
-        raise ValueError(f"tree_attention: q {q.shape}, caches {k_cache.shape}/{v_cache.shape}, "
-                         f"ancestors {ancestors.shape}, depths {depths.shape}")
+    A = ancestors.shape[-1]
+    if (Hq % Hkv or k_cache.shape != v_cache.shape or ancestors.shape != (B, A, A) or depths.shape != (B, A)
+            or first_node + N > A):
+        raise ValueError(f"tree_attention: q {q.shape} from node {first_node}, caches {k_cache.shape}/"
+                         f"{v_cache.shape}, ancestors {ancestors.shape}, depths {depths.shape}")
     G = Hq // Hkv
     if G > ROWS:
         raise ValueError(f"tree_attention: {G} query heads per KV head; at most {ROWS}")
@@ -91,7 +96,8 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: 
     splits = -(-S // config.split_s)
     qr = q.astype(k_cache.dtype).reshape(B, N, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, N, G, hd]
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, 0), (0, ROWS - G), (0, 0)))
-    paths = path_slots(ancestors, depths, start, max_depth)
+    paths = path_slots(ancestors, depths, start, max_depth)[:, first_node:first_node + N]
+    depths = depths[:, first_node:first_node + N]
     kv_len = jnp.minimum(start[:, None] + depths + 1, S).astype(jnp.int32)  # AR's at start + depth
     # per node, 16 rows over the (virtual) slots: its G heads see slots < kv_len, padded rows nothing
     real = jnp.arange(ROWS)[None, None, :, None] < G

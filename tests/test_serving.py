@@ -307,7 +307,8 @@ def test_serving_decoder_runs_the_pallas_gemms():
     gen = GenerationConfig(max_new_tokens=10)
     reference = Decoder(cfg, params, gen, kernels="interpret").generate(prompts)
     from specjax.trees.builders import TreeSpec
-    for opts in (ServingOptions(packed=True), ServingOptions(budget=4, tree=TreeSpec("topk", 5, 3))):
+    for opts in (ServingOptions(packed=True), ServingOptions(budget=4, tree=TreeSpec("topk", 5, 3)),
+                 ServingOptions(packed=True, two_level_k1=2, tree=TreeSpec("topk", 5, 3))):
         dec = ServingDecoder(cfg, params, gen, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
                              options=opts, kernels="interpret")
         assert type(dec.params.layers[0].w_qkv).__name__ == "GemmWeight"

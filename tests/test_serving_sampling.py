@@ -1,6 +1,6 @@
 """Sampled serving follows the target's distribution exactly, with the batching mechanisms on:
-the first three tokens of 20,000 requests through the continuous-batching engine (chains, and a
-budgeted tree) against the exact joint distribution (chi-square at fixed seeds, as tests/test_sampling_exactness.py)."""
+the first three tokens of 20,000 requests through the continuous-batching engine (chains, a
+budgeted tree, a two-level tree) against the exact joint distribution (chi-square at fixed seeds, as tests/test_sampling_exactness.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ CASES = {  # drafter, sampling, mechanisms (two-level draws its uniforms once pe
     "block_budget": ("block", "t1", ServingOptions(budget=200, packed=True, steps_per_call=32)),
     "block_tree_budget": ("block", "t08_p08", ServingOptions(budget=300, packed=True, steps_per_call=32,
                                                             tree=TreeSpec("best_first", 6, 3))),
+    "small_tree_two_level": ("small", "t1", ServingOptions(packed=True, steps_per_call=32, two_level_k1=2,
+                                                           tree=TreeSpec("topk", 6, 3))),
 }
 
 

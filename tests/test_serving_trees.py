@@ -24,7 +24,9 @@ MECHANISMS = {
     "stock": {},
     "budget": dict(budget=5),
     "packed": dict(packed=True),
-    "all": dict(budget=7, packed=True, steps_per_call=8),
+    "two_level": dict(two_level_k1=2),
+    "two_level_packed": dict(two_level_k1=3, packed=True, budget=8),
+    "all": dict(budget=7, packed=True, steps_per_call=8, two_level_k1=2),
 }
 
 
@@ -70,8 +72,11 @@ def test_free_running_trees_equal_ar(kind, tree):
 def test_tree_configurations_not_built_say_so(tiny):
     cfg, params, _, _ = tiny
     drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
-    with pytest.raises(NotImplementedError, match="two-level verification of trees"):
-        ServingEngine(cfg, params, drafter, options=ServingOptions(tree=TREES["topk"], two_level_k1=2))
+    with pytest.raises(ConfigError, match="two_level_tokens cannot cut a tree"):
+        ServingEngine(cfg, params, drafter, options=ServingOptions(tree=TREES["topk"], two_level_k1=2,
+                                                                    packed=True, two_level_tokens=2))
+    with pytest.raises(ConfigError, match=r"two_level_k1 must be in \[1, tree nodes\)"):
+        ServingEngine(cfg, params, drafter, options=ServingOptions(tree=TREES["topk"], two_level_k1=6))
     with pytest.raises(NotImplementedError, match="paged attention kernel"):
         ServingEngine(cfg, params, drafter, page_size=16,
                       options=ServingOptions(tree=TREES["topk"], attention="interpret"))
@@ -88,5 +93,29 @@ def test_the_search_sends_trees_with_batching_to_the_serving_engine():
               "serving.packed": "on", "serving.two_level_k1": 2, "serving.attention": "kernel"}
     opts = REGISTRY.apply(config)["serving"]
     assert opts.tree == TreeSpec("topk", 6, 4) and opts.packed
-    assert opts.two_level_k1 is None and opts.attention == "xla"  # built for chains only
+    assert opts.two_level_k1 == 2 and opts.attention == "xla"  # the paged kernel: chains only
     assert REGISTRY.apply(dict(config, **{"serving.packed": "off", "serving.two_level_k1": 0}))["serving"] is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_two_level_trees_give_the_one_level_step_token_for_token(temperature):
+    """Level 1's walk is the true walk until it first steps onto a level-2 node, and the second
+    walk repeats it with the same key: with the same seed, two-level trees serve exactly the
+    tokens one-level trees do, sampled as well as greedy (docs/design/serving_trees.md)."""
+    from specjax.sampling import SamplingConfig
+    cfg, params = tiny_model(seed=5, num_layers=2)
+    rng = np.random.default_rng(6)
+    prompts = random_prompts(rng, 5, 9)
+    from specjax.drafters.model_drafter import small_model_drafter
+    drafter = small_model_drafter(params, cfg, cfg, 4)  # the target itself: long accepted paths
+    served = []
+    for k1 in (None, 1, 3):
+        engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=8, seed=3,
+                               sampling=SamplingConfig(temperature=temperature),
+                               options=ServingOptions(tree=TREES["best_first"], packed=True, two_level_k1=k1))
+        rids = [engine.submit(p, 14) for p in prompts]
+        results = engine.run()
+        served.append([(results[r].tokens, results[r].committed, results[r].rounds) for r in rids])
+    assert served[1] == served[0] and served[2] == served[0]
+    # level 2 ran: with k1 = 1 a step commits at most 2 tokens from level 1 alone
+    assert sum(c for _, c, _ in served[1]) > 2 * sum(r for _, _, r in served[1])

@@ -306,8 +306,8 @@ SERVING_STEPS = (0, 1, 4, 16)  # 0: the batch engine (engine.Decoder); n: the se
 def _serving_options(config: dict):
     """The serving engine's ServingOptions, or None (stock: the batch engine). Any batching
     mechanism switches to the continuous-batching engine (specjax/serving/); two-level
-    verification needs a chain of at least 2 drafts; trees verify there with the budget, packing
-    and device-resident steps, over XLA's paged attention (docs/design/serving_trees.md)."""
+    verification needs at least 2 drafts (chain drafts or tree nodes); trees verify there with
+    every mechanism, over XLA's paged attention (docs/design/serving_trees.md)."""
     budget = int(config.get("serving.budget", 0))
     packed = config.get("serving.packed", "off") == "on"
     steps = int(config.get("serving.steps_per_call", 0))
@@ -315,10 +315,8 @@ def _serving_options(config: dict):
     k = int(config.get("drafter.k", 0)) if config.get("drafter.kind", "none") != "none" else 0
     if k == 0:
         budget, k1 = 0, 0
-    k1 = k1 if 0 < k1 < k else 0
     tree = _tree_spec(config)
-    if tree is not None:
-        k1 = 0  # two-level verification is built for chains only
+    k1 = k1 if 0 < k1 < (k if tree is None else tree.nodes) else 0
     if not (budget or packed or steps or k1):
         return None
     from specjax.serving.state import ServingOptions

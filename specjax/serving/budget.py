@@ -35,8 +35,9 @@ def layout(table: jax.Array, first_pos: jax.Array, col0: int, width: int, counts
     """Tokens table[b, col0 : col0 + counts[b]] at positions first_pos[b] + col0 + j as one flat
     batch. Padded: slot b owns flat tokens b * width .. (b + 1) * width - 1 (T = B * width).
     Packed: slots follow each other without gaps in a bucket of `bucket` tokens (the caller
-    guarantees sum(counts) <= bucket). Trees (col0 = 0, width = nodes): node j is written at
-    first_pos[b] + j and rotated at first_pos[b] + depths[b, j], under `ancestors` [B, W, W]."""
+    guarantees sum(counts) <= bucket). Trees: node col0 + j is written at first_pos[b] + col0 + j
+    and rotated at first_pos[b] + depths[b, col0 + j]; `ancestors` [B, A, A] is the whole tree's
+    (a second verify level, col0 > 0, attends to the first level's nodes already in the cache)."""
     B = table.shape[0]
     if packed:
         ends = jnp.cumsum(counts)
@@ -51,8 +52,8 @@ def layout(table: jax.Array, first_pos: jax.Array, col0: int, width: int, counts
     col = jnp.clip(col, 0, width - 1)
     tokens = table[row, col0 + col]
     positions = first_pos[row] + col0 + col
-    rope = None if depths is None else first_pos[row] + depths[row, col]
-    return flat_batch(tokens, positions, row, col, valid, B, width, rope, ancestors)
+    rope = None if depths is None else first_pos[row] + depths[row, col0 + col]
+    return flat_batch(tokens, positions, row, col, valid, B, width, rope, ancestors, col0)
 
 
 def choose_budget(verify_seconds, alpha, batch: int, k: int) -> int:

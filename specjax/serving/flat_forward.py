@@ -35,8 +35,10 @@ class FlatBatch:
     valid: jax.Array  # [T] bool: padding tokens write to the trash page and are never read
     unpack: jax.Array  # [R, W] flat index of (row, column); 0 where the row has no such token
     rope: jax.Array  # [T] RoPE positions: `positions` for chains; a tree node's depth below its root
-    # trees: [R, W, W] column j is column w itself or an ancestor of it (None: causal by position)
+    # trees: [R, A, A] the rows' whole trees (node j is node i or an ancestor of it; None: chains,
+    # causal by position); column w is node col0 + w (a second verify level starts past node 0)
     ancestors: jax.Array | None = None
+    col0: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def width(self) -> int:
@@ -44,14 +46,14 @@ class FlatBatch:
 
 
 def flat_batch(tokens, positions, row, col, valid, num_rows: int, width: int, rope=None,
-               ancestors=None) -> FlatBatch:
+               ancestors=None, col0: int = 0) -> FlatBatch:
     T = tokens.shape[0]
     r = jnp.where(valid, row, num_rows)  # out of range: dropped
     unpack = jnp.zeros((num_rows, width), jnp.int32).at[r, col].set(jnp.arange(T, dtype=jnp.int32),
                                                                      mode="drop")
     positions = positions.astype(jnp.int32)
     return FlatBatch(tokens.astype(jnp.int32), positions, row.astype(jnp.int32), col.astype(jnp.int32),
-                     valid, unpack, positions if rope is None else rope.astype(jnp.int32), ancestors)
+                     valid, unpack, positions if rope is None else rope.astype(jnp.int32), ancestors, col0)
 
 
 def visibility(batch: FlatBatch, view_len: int) -> jax.Array:
@@ -62,12 +64,18 @@ def visibility(batch: FlatBatch, view_len: int) -> jax.Array:
     s = jnp.arange(view_len)[None, None, :]
     if batch.ancestors is None:
         return s <= qpos[:, :, None]
-    first = qpos[:, :1, None]  # the root's position
-    rel = s - first
-    W = batch.width
-    node = jnp.take_along_axis(batch.ancestors, jnp.broadcast_to(jnp.clip(rel, 0, W - 1),
-                                                                 (qpos.shape[0], W, view_len)), axis=2)
-    return (rel < 0) | ((rel < W) & node)
+    rel = s - tree_root(batch)[:, None, None]
+    W, A = batch.width, batch.ancestors.shape[-1]
+    rows = batch.ancestors[:, batch.col0:batch.col0 + W]  # [R, W, A]: the columns' nodes
+    node = jnp.take_along_axis(rows, jnp.broadcast_to(jnp.clip(rel, 0, A - 1), (qpos.shape[0], W, view_len)),
+                               axis=2)
+    return (rel < 0) | ((rel < A) & node)
+
+
+def tree_root(batch: FlatBatch) -> jax.Array:
+    """[R] each row's root position (column 0 is node col0, at root + col0; rows without tokens
+    read another row's position, clamped so that a kernel never indexes below slot 0)."""
+    return jnp.maximum(batch.positions[batch.unpack][:, 0] - batch.col0, 0)
 
 
 def _kernel_attention(interpret: bool, batch: FlatBatch, q, k_view, v_view, mask, kv_len):
@@ -75,10 +83,10 @@ def _kernel_attention(interpret: bool, batch: FlatBatch, q, k_view, v_view, mask
     (trees: each node's path gathered into AR's positions)."""
     if batch.ancestors is None:
         return decode_attention(q, k_view, v_view, mask, kv_len, interpret=interpret)
-    first = batch.positions[batch.unpack][:, 0]  # the root's position
-    W = batch.width
-    depths = jnp.clip(batch.rope[batch.unpack] - first[:, None], 0, W - 1)
-    return tree_attention(q, k_view, v_view, first, batch.ancestors, depths, W - 1, interpret=interpret)
+    A = batch.ancestors.shape[-1]
+    depths = jnp.sum(batch.ancestors, axis=-1, dtype=jnp.int32) - 1  # [R, A]
+    return tree_attention(q, k_view, v_view, tree_root(batch), batch.ancestors, jnp.maximum(depths, 0), A - 1,
+                          interpret=interpret, first_node=batch.col0)
 
 
 def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,

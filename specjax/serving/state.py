@@ -25,7 +25,8 @@ class ServingOptions:
         (B (k + 1) without a budget); off: every slot takes k + 1 tokens, busy or not.
     steps_per_call: steps (with admission and retirement) per device call; 1 is a host loop.
     two_level_k1: verify the first k1 drafts of every slot, then the rest only where all k1 were
-        accepted (None: one level). Level 2 runs only when some slot passed level 1.
+        accepted (None: one level). Level 2 runs only when some slot passed level 1. Trees: the
+        first k1 nodes, then the rest only where the accepted walk reaches past them.
     two_level_tokens: packed level-2 bucket (draft tokens; default: the draft budget). When more
         promoted drafts than this remain, the best by survival score are verified.
     attention: the verify steps' attention over the paged cache: "xla" (each row's pages gathered
@@ -48,7 +49,7 @@ class ServingOptions:
             raise ConfigError(f"serving budget must be >= 1 draft token, got {self.budget}")
         if self.steps_per_call < 1:
             raise ConfigError(f"steps_per_call must be >= 1, got {self.steps_per_call}")
-        if self.two_level_k1 is not None and not 1 <= self.two_level_k1 < k:
+        if self.two_level_k1 is not None and self.tree is None and not 1 <= self.two_level_k1 < k:
             raise ConfigError(f"two_level_k1 must be in [1, k) = [1, {k}), got {self.two_level_k1}")
         if self.two_level_tokens is not None and (self.two_level_k1 is None or not self.packed
                                                   or self.two_level_tokens < 1):
@@ -62,13 +63,18 @@ class ServingOptions:
             from specjax.trees.builders import as_tree_spec
             if k == 0:
                 raise ConfigError("tree verification needs a drafter")
-            if self.two_level_k1 is not None:
-                raise NotImplementedError("two-level verification of trees is not built; use chains "
-                                          "(docs/design/serving_trees.md)")
+            if self.two_level_tokens is not None:
+                raise ConfigError("two_level_tokens cannot cut a tree's second level: which nodes it "
+                                  "keeps would follow level 1's acceptance tests and bias sampling "
+                                  "(docs/design/serving_trees.md)")
             if self.attention != "xla":
                 raise NotImplementedError("tree verification with the paged attention kernel is not "
                                           "built; use attention='xla' (docs/design/serving_trees.md)")
-            return dataclasses.replace(self, tree=as_tree_spec(self.tree))
+            spec = as_tree_spec(self.tree)
+            if self.two_level_k1 is not None and not 1 <= self.two_level_k1 < spec.nodes:
+                raise ConfigError(f"two_level_k1 must be in [1, tree nodes) = [1, {spec.nodes}), "
+                                  f"got {self.two_level_k1}")
+            return dataclasses.replace(self, tree=spec)
         return self
 
     def drafts(self, k: int) -> int:
