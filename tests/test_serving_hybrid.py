@@ -28,11 +28,16 @@ def hybrid():
     return cfg, params, prompts, Decoder(cfg, params, gen).generate(prompts)
 
 
-@pytest.mark.parametrize("mode", ["chain", "chain_device_loop", "tree"])
+MODES = {"chain": ServingOptions(), "chain_device_loop": ServingOptions(steps_per_call=8),
+         "chain_budget": ServingOptions(budget=3), "chain_two_level": ServingOptions(two_level_k1=1),
+         "tree": ServingOptions(tree=TreeSpec("topk", 5, 3), steps_per_call=4),
+         "tree_budget_two_level": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=6, two_level_k1=2)}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_hybrid_requests_pass_forcing(hybrid, mode):
     cfg, params, prompts, reference = hybrid
-    opts = {"chain": ServingOptions(), "chain_device_loop": ServingOptions(steps_per_call=8),
-            "tree": ServingOptions(tree=TreeSpec("topk", 5, 3), steps_per_call=4)}[mode]
+    opts = MODES[mode]
     engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
                            slot_len=48, page_size=8, options=opts, forcing=True)
     assert_forcing(engine, prompts, reference, 14)
@@ -51,6 +56,32 @@ def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
 def test_hybrid_mechanisms_not_built_say_so(hybrid):
     cfg, params, _, _ = hybrid
     d = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
-    for opts in (ServingOptions(budget=3), ServingOptions(packed=True), ServingOptions(two_level_k1=1)):
+    for opts in (ServingOptions(packed=True), ServingOptions(attention="interpret")):
         with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
-            ServingEngine(cfg, params, d, options=opts)
+            ServingEngine(cfg, params, d, page_size=16, options=opts)
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec("topk", 6, 4)])
+def test_hybrid_two_level_gives_the_one_level_step(tree):
+    """Two-level verification on a hybrid target (level 2 re-runs level 1's rows: the deferred GDN
+    path makes them part of any forward) serves exactly the one-level tokens and acceptance, and
+    level 2 ran: the one-level engine committed more than k1 + 1 tokens in some step."""
+    import jax
+    from specjax.models.hybrid import init_random_hybrid_params
+    from test_hybrid_decoding import hybrid_config, repetitive_prompts
+    cfg = hybrid_config(41)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(4))
+    prompts = repetitive_prompts(np.random.default_rng(8), 5, cfg.vocab_size)
+    gen = GenerationConfig(max_new_tokens=16)
+    reference = Decoder(cfg, params, gen).generate(prompts).tokens
+    served = []
+    for k1 in (None, 1):
+        engine = ServingEngine(cfg, params, NgramDrafter(k=4, vocab_size=cfg.vocab_size), num_slots=2,
+                               slot_len=64, page_size=8, options=ServingOptions(tree=tree, two_level_k1=k1))
+        rids = [engine.submit(p, 16) for p in prompts]
+        results = engine.run()
+        assert [results[r].tokens for r in rids] == reference
+        served.append([(results[r].committed, results[r].rounds, results[r].accepted_hist.tolist())
+                       for r in rids])
+    assert served[1] == served[0]
+    assert sum(sum(h[2:]) for _, _, h in served[0]) > 0  # steps that committed >= 3 tokens

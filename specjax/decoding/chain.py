@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decoding.sequences import GenerationConfig, Sequences, commit, prefill, start_sequences
+from specjax.decoding.two_level import verify_two_level
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
 from specjax.models.target import chain_path, chain_verify, target_commit, target_logits, with_replay_width
 from specjax.sampling import probabilities, top2_margin
-from specjax.verification.chain import greedy_accept, leading_true, rejection_accept
+from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
 
 
 @jax.tree_util.register_dataclass
@@ -72,22 +73,48 @@ def force(forced: Forced, seqs: Sequences, out, num_accepted):
 
 
 def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationConfig, cache: KVCache,
-               dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None):
+               dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None,
+               num_drafts: jax.Array | None = None, two_level_k1: int | None = None):
+    """One draft -> verify -> accept -> commit round. num_drafts [B] (a serving budget): only the
+    first num_drafts[b] drafts may be accepted. two_level_k1: verify pending + k1 drafts first, and
+    all k + 1 tokens again only where the k1 passed and some row did (the serving engine's
+    two-level switch for hybrid targets, whose deferred GDN paths make level 1's rows part of any
+    later forward: level 2 re-runs them rather than reusing their K/V)."""
     key_d, key_v = jax.random.split(key)
     draft, draft_probs, dstate = drafter.propose(dstate, seqs, key_d, gen.sampling)
     k = draft.shape[1]
     pos = seqs.length - 1
     tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
-    positions = pos[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     taps = getattr(drafter, "taps", ())  # block drafters condition on target hidden states
-    hidden, features, cache, pending = chain_verify(target, cfg, tokens, positions, cache, pos, taps)
+
+    def verify(width, cache):
+        positions = pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, :width], positions, cache, pos, taps)
+        return target_logits(target, cfg, hidden), features, cache, pending
+
+    if two_level_k1 is None:
+        logits, features, cache, pending = verify(k + 1, cache)  # logits [B, k + 1, V]
+    else:
+        k1 = two_level_k1
+
+        def promoted_of(logits1):
+            # level 2 where all k1 drafts pass the tests the full rule runs (the same uniforms:
+            # `acceptance_tests` over all k positions, as `rejection_accept` draws them; logits1 is
+            # zero past level 1); elsewhere the full rule stops inside level 1
+            if gen.sampling.greedy:
+                passed = draft[:, :k1] == jnp.argmax(logits1[:, :k1], axis=-1)
+            else:
+                passed = acceptance_tests(draft, draft_probs, probabilities(logits1, gen.sampling), key_v)[:, :k1]
+            reach = k if num_drafts is None else num_drafts
+            return ~seqs.done & (reach > k1) & (leading_true(passed) == k1)
+        logits, features, cache, pending = verify_two_level(verify, cache, k1 + 1, k + 1, promoted_of)
     if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
         dstate = drafter.observe(dstate, features, pos)
-    logits = target_logits(target, cfg, hidden)  # [B, k + 1, V]
     if gen.sampling.greedy:
-        num_accepted, out = greedy_accept(draft, logits)
+        num_accepted, out = greedy_accept(draft, logits, num_drafts)
     else:
-        num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v)
+        num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v,
+                                             num_drafts)
     before = seqs.length
     seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, top2_margin(logits))
     cache = target_commit(target, cfg, cache, pending, chain_path(*tokens.shape), committed_drafts(before, seqs),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from specjax.decoding.chain import ChainStats, Forced, committed_drafts, finish_round
 from specjax.decoding.sequences import GenerationConfig, Sequences
+from specjax.decoding.two_level import verify_two_level
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
@@ -68,21 +69,42 @@ def draft_tree(drafter, spec: TreeSpec, sampling: SamplingConfig, dstate, seqs: 
 
 
 def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, gen: GenerationConfig,
-              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None):
+              cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None,
+              num_drafts: jax.Array | None = None, two_level_k1: int | None = None):
+    """One tree round. num_drafts [B] (a serving budget): only each row's first num_drafts[b]
+    nodes are verified (a subtree). two_level_k1: verify nodes 0..k1 first (a subtree), and the
+    whole tree only for rows whose walk steps past them (`decoding/two_level.py`)."""
     pos = seqs.length - 1  # the pending token's slot: the tree's root
     tree, dstate = draft_tree(drafter, spec, gen.sampling, dstate, seqs)
-    anc = tree.ancestors()
-    depths = tree.depths(anc)
-    positions = pos[:, None] + depths
-    mask = TreeMask(tree_mask(tree, pos, cache.num_slots, anc), anc, depths, tree.max_depth)
+    if num_drafts is not None:
+        tree = tree.first_nodes(num_drafts)
     taps = getattr(drafter, "taps", ())
-    hidden, features, cache, pending = target_verify(target, cfg, tree.tokens, positions, cache, pos, taps,
-                                                     mask, tree.parents, anc, tree.max_depth)
-    logits = target_logits(target, cfg, hidden)  # [B, N, V]
-    if gen.sampling.greedy:
-        num_accepted, path, out = greedy_tree_accept(tree, logits)
+
+    def verify(width, cache):  # nodes 0 .. width - 1: parents come first, so a subtree
+        sub = Tree(tree.tokens[:, :width], tree.parents[:, :width], tree.max_depth)
+        anc = sub.ancestors()
+        depths = sub.depths(anc)
+        mask = TreeMask(tree_mask(sub, pos, cache.num_slots, anc), anc, depths, sub.max_depth)
+        hidden, features, cache, pending = target_verify(target, cfg, sub.tokens, pos[:, None] + depths, cache,
+                                                         pos, taps, mask, sub.parents, anc, sub.max_depth)
+        return target_logits(target, cfg, hidden), features, cache, pending
+
+    def walk(logits):
+        if gen.sampling.greedy:
+            return greedy_tree_accept(tree, logits)
+        return sampled_tree_accept(tree, probabilities(logits, gen.sampling), key)
+
+    N = tree.num_nodes
+    if two_level_k1 is None:
+        logits, features, cache, pending = verify(N, cache)  # logits [B, N, V]
     else:
-        num_accepted, path, out = sampled_tree_accept(tree, probabilities(logits, gen.sampling), key)
+        # each node's test reads its parent's logits only, so the walk over level 1's (zeros past
+        # them) is the true walk until it first steps onto a later node: those rows verify all
+        # (docs/design/serving_trees.md); the others have their final result
+        k1 = two_level_k1
+        logits, features, cache, pending = verify_two_level(
+            verify, cache, k1 + 1, N, lambda logits1: ~seqs.done & (walk(logits1)[1][:, -1] > k1))
+    num_accepted, path, out = walk(logits)
     if taps:  # the accepted path's features, at contiguous positions (the rest is never read)
         dstate = drafter.observe(dstate, jnp.take_along_axis(features, path[..., None], axis=1), pos)
     margins = jnp.take_along_axis(top2_margin(logits), path, axis=1)

@@ -74,11 +74,10 @@ class ServingEngine:
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
                  mesh=None, shard_drafter: bool = False):
-        if is_hybrid(cfg) and (options.budget is not None or options.packed or options.two_level_k1 is not None
-                               or options.attention != "xla" or mesh is not None):
+        if is_hybrid(cfg) and (options.packed or options.attention != "xla" or mesh is not None):
             raise NotImplementedError("hybrid targets in the serving engine: the padded layout with XLA's "
-                                      "attention only (no budget, packing, two-level verification, paged "
-                                      "attention kernel or mesh yet: docs/design/serving_hybrid.md)")
+                                      "attention only (no packing, paged attention kernel or mesh yet: "
+                                      "docs/design/serving_hybrid.md)")
         if is_hybrid(cfg) and forcing and drafter is None:
             raise NotImplementedError("token forcing of plain AR on a hybrid target in the serving engine")
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:

@@ -5,13 +5,15 @@ Each slot keeps its GDN states, conv windows and deferred accepted path in `Serv
 every slot's pages into a dense view, runs the decoder's own chain or tree step over the slots
 (`decoding.chain.chain_step`, `decoding.tree.tree_step`: replay of the deferred path, verify,
 accept, commit), and scatters the views back. The numerics are the decoder's, so each request's
-tokens are what `engine.Decoder` gives it. First build: the padded layout only (no budget,
-packing or two-level verification) and XLA's attention over the views.
+tokens are what `engine.Decoder` gives it. The padded layout only (no packing) and XLA's
+attention over the views; the budget and two-level verification pass through to the decoder's
+steps (`num_drafts`, `two_level_k1`; `decoding/two_level.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from specjax.decoding.chain import ChainStats, chain_step
 from specjax.decoding.sequences import GenerationConfig, prompt_forward
 from specjax.decoding.tree import tree_step
 from specjax.models.hybrid import init_hybrid_cache
+from specjax.serving.budget import admitted_drafts
 from specjax.serving.paged_cache import PagedKVCache, gather_view, scatter_view
 from specjax.serving.state import ServingOptions, ServingState
 
@@ -79,22 +82,32 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
     forced = s.forced if forcing else None
     before = seqs.length
     dstate = st.dstate
+    n_drafts = None
     if drafter is None:  # plain AR: the GDN states advance over each token as it is decoded
         hcache, seqs = ar_step(params, cfg, gen, hcache, seqs, sub)
         stats = ChainStats(rounds=active.astype(jnp.int32), accepted_hist=active[:, None].astype(jnp.int32))
-    elif opts.tree is None:
-        hcache, dstate, seqs, stats, forced = chain_step(params, cfg, drafter, gen, hcache, st.dstate, seqs,
-                                                         stats, sub, forced)
     else:
-        hcache, dstate, seqs, stats, forced = tree_step(params, cfg, drafter, opts.tree, gen, hcache, st.dstate,
-                                                        seqs, stats, sub, forced)
+        # the budget admits drafts by the slot's running acceptance rate (never the drafted
+        # tokens, see step.py); the padded layout verifies every row's k + 1 tokens regardless
+        n = opts.drafts(drafter.k)
+        if opts.budget is not None:
+            n_drafts = admitted_drafts(jnp.broadcast_to(s.accept_rate[:, None], (B, n)), active, opts.budget)
+        step = chain_step if opts.tree is None else functools.partial(tree_step, spec=opts.tree)
+        hcache, dstate, seqs, stats, forced = step(params, cfg, drafter, gen=gen, cache=hcache, dstate=st.dstate,
+                                                   seqs=seqs, stats=stats, key=sub, forced=forced,
+                                                   num_drafts=n_drafts, two_level_k1=opts.two_level_k1)
     # the slot's own max_new (the decoder's rule is one max_new_tokens for the batch)
     over = active & (seqs.length - seqs.prompt_len >= s.max_new)
     seqs = dataclasses.replace(seqs, done=seqs.done | over)
     cache = _scatter(st.cache, s.pages, hcache.k, hcache.v)
     gained = jnp.where(active, seqs.length - before, 0)
     hist = s.accepted_hist.at[:, :W].add(stats.accepted_hist)
+    rate = s.accept_rate
+    if drafter is not None:  # as round.commit_round: accepted drafts over the most that could be
+        reach = W - 1 if n_drafts is None else jnp.minimum(n_drafts, W - 1)
+        rate = jnp.where(active, 0.7 * rate + 0.3 * jnp.maximum(gained - 1, 0) / jnp.maximum(reach, 1), rate)
     slots = dataclasses.replace(s, seqs=seqs, rounds=s.rounds + active, committed=s.committed + gained,
-                                accepted_hist=hist, forced=s.forced if forced is None else forced)
+                                accepted_hist=hist, accept_rate=rate,
+                                forced=s.forced if forced is None else forced)
     return dataclasses.replace(st, slots=slots, cache=cache, dstate=dstate, key=key,
                                recurrent=hcache.replaced(k=[], v=[]))

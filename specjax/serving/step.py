@@ -155,8 +155,10 @@ def verify_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, opts: 
         if gen.sampling.greedy:
             passed = draft[:, :k1] == jnp.argmax(logits[:, :k1], axis=-1)
         else:
-            p1 = probabilities(logits, gen.sampling)
-            passed = acceptance_tests(draft[:, :k1], None if q is None else q[:, :k1], p1, key_v)
+            # all k positions, as `rejection_accept` draws them: the uniforms of a [B, k1] draw
+            # are not those of the first k1 columns of a [B, k] draw (rows past the first differ)
+            padded = jnp.pad(logits, ((0, 0), (0, k - k1), (0, 0)))
+            passed = acceptance_tests(draft, q, probabilities(padded, gen.sampling), key_v)[:, :k1]
         promoted = active & (n_drafts > k1) & (leading_true(passed) == k1)
         counts2 = jnp.where(promoted, n_drafts - k1, 0)
         bucket2 = min(budget, B * (k - k1))

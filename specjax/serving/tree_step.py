@@ -26,16 +26,6 @@ from specjax.trees.tree import Tree
 from specjax.trees.verify import greedy_tree_accept, sampled_tree_accept
 
 
-def admitted_tree(tree: Tree, n_nodes: jax.Array) -> Tree:
-    """The tree with every node past the first n_nodes[b] (in index order, the root not counted),
-    or below such a node, turned into a padding node (parent -1: never on an accepted path). The
-    admitted nodes form a subtree: each keeps its whole path."""
-    anc = tree.ancestors()
-    within = jnp.arange(tree.num_nodes)[None, :] <= n_nodes[:, None]  # [B, N]
-    keep = jnp.all(within[:, None, :] | ~anc, axis=-1)
-    return Tree(tokens=tree.tokens, parents=jnp.where(keep, tree.parents, -1), max_depth=tree.max_depth)
-
-
 def move_path(cache: PagedKVCache, pages: jax.Array, path: jax.Array, first: jax.Array,
               active: jax.Array) -> PagedKVCache:
     """Move each active slot's path K/V from positions first + path[d] to first + d (d = 0..D),
@@ -78,7 +68,7 @@ def verify_tree_step(params, cfg: ModelConfig, drafter, gen: GenerationConfig, o
     # Admission reads the slot's running acceptance rate, never the drafted tokens (see step.py).
     confidence = jnp.broadcast_to(s.accept_rate[:, None], (B, N - 1))
     n_nodes = admitted_drafts(confidence, active, opts.budget)  # [B] nodes past the root
-    tree = admitted_tree(tree, n_nodes)
+    tree = tree.first_nodes(n_nodes)  # the admitted subtree
     anc = tree.ancestors()
     depths = tree.depths(anc)
     first = seqs.length - 1  # the pending token's position: the root

@@ -53,6 +53,15 @@ class Tree:
         anc, _ = jax.lax.fori_loop(0, self.max_depth, hop, (eye, self.parents))
         return anc
 
+    def first_nodes(self, n_nodes: jax.Array) -> "Tree":
+        """The tree with every node past the first n_nodes[b] (in index order, the root not
+        counted), or below such a node, turned into a padding node (parent -1: never on an
+        accepted path). The kept nodes form a subtree: each keeps its whole path (budgets)."""
+        anc = self.ancestors()
+        within = jnp.arange(self.num_nodes)[None, :] <= n_nodes[:, None]  # [B, N]
+        keep = jnp.all(within[:, None, :] | ~anc, axis=-1)
+        return Tree(tokens=self.tokens, parents=jnp.where(keep, self.parents, -1), max_depth=self.max_depth)
+
     def depths(self, ancestors: jax.Array | None = None) -> jax.Array:
         """[B, N] int32 (padding nodes: 0)."""
         anc = self.ancestors() if ancestors is None else ancestors
