@@ -45,3 +45,32 @@ def test_served_tokens_follow_target(target, case):
     counts = np.zeros((V, V, V), np.int64)
     np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
     assert chi_square_p(counts, exact_joint(cfg, params, sampling)) > 0.01
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_served_hybrid_tokens_follow_target(tree):
+    """A hybrid target (GDN + attention) in the serving engine with the budget and two-level
+    verification (level 2 re-runs level 1's rows; chains and top-k trees of an n-gram drafter)."""
+    import jax
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.models.hybrid import init_random_hybrid_params
+    from specjax.models.hybrid_config import HybridConfig
+    cfg = HybridConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=4,
+                       layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+                       num_heads=2, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
+                       rms_norm_eps=1e-6, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                       max_position_embeddings=64)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(8), scale=0.6)
+    sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
+    opts = ServingOptions(budget=400, steps_per_call=32, two_level_k1=1,
+                          tree=None if tree is None else TreeSpec.budget(tree, 6, 3))
+    engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=V), num_slots=256, slot_len=16,
+                           page_size=4, queue_len=256, max_waiting=DRAWS, prompt_width=len(PROMPT),
+                           sampling=sampling, options=opts, seed=13)
+    rids = [engine.submit(PROMPT, 3) for _ in range(DRAWS)]
+    results = engine.run()
+    first3 = np.array([results[r].tokens for r in rids])
+    counts = np.zeros((V, V, V), np.int64)
+    np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
+    assert chi_square_p(counts, exact_joint(cfg, params, sampling)) > 0.01
