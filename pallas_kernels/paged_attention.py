@@ -15,6 +15,10 @@ the masked softmax over the whole view were most of a step's fixed cost
 - masks are positional and ragged: a query at position p sees the row's positions <= p, and no
   position at or past the row's `kv_len` (pages are reused: past it a page holds another request's
   leftovers, possibly NaN, so V is zeroed there: 0 * NaN would poison the sum);
+- tree masks inside a row's segment (tree verification): a node sees the positions before its
+  root and, of the MAX_TREE positions from the root on, those of its ancestors (itself included),
+  read from two 32-bit words per query row. A chain is the case root = p + 1 with no bits, so both
+  run one mask rule: visible = (pos < limit) | bit(pos - limit), below kv_len;
 - the splits' (max, sum, output) partials are combined in XLA in split order
   (`decode_attention.combine_splits`).
 
@@ -46,12 +50,13 @@ class PagedAttentionConfig:
             raise ValueError(f"pages_per_split must be >= 1, got {self.pages_per_split}")
 
 
-def _kernel(q_ref, k_ref, v_ref, pages_ref, qpos_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
+def _kernel(q_ref, k_ref, v_ref, pages_ref, limit_ref, bits_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
             cfg: PagedAttentionConfig, page_size: int, scale: float):
     r, h, c, sp = (pl.program_id(i) for i in range(4))
     rows = pl.ds(pl.multiple_of(c * ROWS, ROWS), ROWS)
     q = q_ref[r, h, rows, :]
-    qpos = qpos_ref[r, rows]  # [ROWS]; -1 on padding rows (nothing visible)
+    limit = limit_ref[r, rows]  # [ROWS]: positions below are visible (0 on padding rows)
+    lo_bits, hi_bits = bits_ref[r, 0, rows], bits_ref[r, 1, rows]  # positions limit + 0..63
     kv_len = kv_len_ref[r]
     first = sp * cfg.pages_per_split
     live_pages = (kv_len + page_size - 1) // page_size
@@ -64,7 +69,10 @@ def _kernel(q_ref, k_ref, v_ref, pages_ref, qpos_ref, kv_len_ref, o_ref, m_ref, 
         pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
         k = k_ref[page, :, h, :]
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-        visible = (pos[None, :] <= qpos[:, None]) & (pos[None, :] < kv_len)
+        rel = pos[None, :] - limit[:, None]  # [ROWS, page_size]
+        word = jnp.where(rel < 32, lo_bits[:, None], hi_bits[:, None])
+        bit = (word >> jnp.clip(rel & 31, 0, 31)) & 1
+        visible = ((rel < 0) | ((rel < MAX_TREE) & (bit == 1))) & (pos[None, :] < kv_len)
         scores = jnp.where(visible, scores, MASKED)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
         correction = jnp.exp(m - m_next)
@@ -81,6 +89,18 @@ def _kernel(q_ref, k_ref, v_ref, pages_ref, qpos_ref, kv_len_ref, o_ref, m_ref, 
     o_ref[r, h, sp, rows, :] = o
     m_ref[r, h, sp, rows] = m
     l_ref[r, h, sp, rows] = l
+
+
+MAX_TREE = 64  # tree positions a query's bit words cover (nodes past the root: 63)
+
+
+def tree_bits(ancestors: jax.Array) -> jax.Array:
+    """ancestors [R, W, A] bool (A <= MAX_TREE: column w sees node j of its row's tree) ->
+    [R, 2, W] int32: bit j of word j // 32."""
+    R, W, A = ancestors.shape
+    a = jnp.pad(ancestors, ((0, 0), (0, 0), (0, MAX_TREE - A))).reshape(R, W, 2, 32).astype(jnp.uint32)
+    words = jnp.sum(a << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)  # distinct bits
+    return jax.lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
 
 
 def check_shapes(q, k_pool, v_pool, pages, qpos, kv_len) -> None:
@@ -102,11 +122,20 @@ def check_shapes(q, k_pool, v_pool, pages, qpos, kv_len) -> None:
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array, qpos: jax.Array,
                     kv_len: jax.Array, config: PagedAttentionConfig = PagedAttentionConfig(),
-                    interpret: bool = False) -> jax.Array:
+                    interpret: bool = False, root: jax.Array | None = None,
+                    ancestors: jax.Array | None = None) -> jax.Array:
     """q [R, W, Hq, hd] (block-table row r's tokens in columns), pools [num_pages, page_size, Hkv, hd],
     pages [R, P] int32 block table, qpos [R, W] int32 (each token's position; -1: no token),
-    kv_len [R] int32 (positions >= kv_len[r] are never visible) -> [R, W, Hq * hd] in q's dtype."""
+    kv_len [R] int32 (positions >= kv_len[r] are never visible) -> [R, W, Hq * hd] in q's dtype.
+    Trees: root [R] and ancestors [R, W, A] (A <= MAX_TREE): column w sees the positions before
+    root[r] and root[r] + j where ancestors[r, w, j] (instead of the positions <= qpos)."""
     check_shapes(q, k_pool, v_pool, pages, qpos, kv_len)
+    if (root is None) != (ancestors is None):
+        raise ValueError("paged_attention: trees need both root and ancestors")
+    if ancestors is not None and (ancestors.shape[:2] != qpos.shape or ancestors.shape[2] > MAX_TREE
+                                  or root.shape != kv_len.shape):
+        raise ValueError(f"paged_attention: ancestors {ancestors.shape} (at most {MAX_TREE} nodes), root "
+                         f"{root.shape} for {qpos.shape} tokens")
     R, W, Hq, hd = q.shape
     page_size, Hkv = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -117,8 +146,17 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
     pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, pad_pages)))
     qr = q.astype(k_pool.dtype).reshape(R, W, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(R, Hkv, rows, hd)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
-    qp = jnp.broadcast_to(qpos[:, :, None], (R, W, G)).reshape(R, rows)
-    qp = jnp.pad(qp.astype(jnp.int32), ((0, 0), (0, Rp - rows)), constant_values=-1)
+    real = qpos >= 0
+    if ancestors is None:  # a chain: positions <= qpos, no tree bits
+        limit, bits = qpos + 1, jnp.zeros((R, 2, W), jnp.int32)
+    else:
+        limit = jnp.broadcast_to(root[:, None], (R, W))
+        bits = jnp.where(real[:, None, :], tree_bits(ancestors), 0)
+    limit = jnp.where(real, limit, 0).astype(jnp.int32)  # no token: nothing visible
+
+    def per_row(x):  # [..., W] -> [..., Rp]: row w * G + g, padded rows see nothing
+        x = jnp.broadcast_to(x[..., None], x.shape + (G,)).reshape(x.shape[:-1] + (rows,))
+        return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, Rp - rows),))
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
         functools.partial(_kernel, cfg=config, page_size=page_size, scale=hd ** -0.5),
@@ -129,7 +167,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="paged_attention",
-    )(qr, k_pool, v_pool, pages, qp, kv_len.astype(jnp.int32))
+    )(qr, k_pool, v_pool, pages, per_row(limit), per_row(bits), kv_len.astype(jnp.int32))
     out = combine_splits(o, m, l)
     # a row with no live position (kv_len 0: a block-table row with no token this step) sees
     # nothing: zeros, not 0 / 0
@@ -139,7 +177,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
-                              qpos: jax.Array, kv_len: jax.Array) -> jax.Array:
+                              qpos: jax.Array, kv_len: jax.Array, root: jax.Array | None = None,
+                              ancestors: jax.Array | None = None) -> jax.Array:
     """What `paged_attention` computes, in plain JAX: each row's pages gathered into one view, one
     softmax over it (the serving engine's XLA path)."""
     R, W, Hq, hd = q.shape
@@ -149,7 +188,15 @@ def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array
     pos = jnp.arange(k.shape[1])
     live = pos[None, :] < kv_len[:, None]  # [R, S]
     v = jnp.where(live[:, :, None, None], v, 0)
-    visible = (pos[None, None, :] <= qpos[:, :, None]) & live[:, None, :]  # [R, W, S]
+    if ancestors is None:
+        seen = pos[None, None, :] <= qpos[:, :, None]
+    else:
+        rel = pos[None, None, :] - root[:, None, None]  # [R, 1, S]
+        A = ancestors.shape[2]
+        node = jnp.take_along_axis(ancestors, jnp.broadcast_to(jnp.clip(rel, 0, A - 1), qpos.shape + (pos.shape[0],)),
+                                   axis=2)
+        seen = (rel < 0) | ((rel < A) & node)
+    visible = seen & (qpos >= 0)[:, :, None] & live[:, None, :]  # [R, W, S]
     qg = q.astype(k.dtype).reshape(R, W, Hkv, Hq // Hkv, hd)
     scores = jnp.einsum("rwkgd,rskd->rkgws", qg, k, preferred_element_type=jnp.float32) * hd ** -0.5
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)

@@ -49,6 +49,42 @@ def test_kernel_equals_reference(seed, dtype, pages_per_split):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("seed,nodes", [(10, 5), (11, 40)])
+def test_tree_masks_inside_segments_equal_reference(seed, nodes):
+    """Tree verification: each row's columns are nodes of a random tree rooted at root[r]; a node
+    sees the positions before the root and its ancestors' (words of 32 bits: 40 nodes use both)."""
+    from specjax.trees.tree import Tree
+    rng = np.random.default_rng(seed)
+    R, Hq, Hkv, hd, page_size, max_pages = 3, 4, 2, 16, 16, 6
+    num_pages = 1 + R * max_pages
+    k = jnp.asarray(rng.normal(size=(num_pages, page_size, Hkv, hd)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(num_pages, page_size, Hkv, hd)), jnp.float32)
+    pages = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(R, max_pages), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(R, nodes, Hq, hd)), jnp.float32)
+    parents = np.array([[-1] + [int(rng.integers(0, j)) for j in range(1, nodes)] for _ in range(R)], np.int32)
+    tree = Tree(jnp.zeros((R, nodes), jnp.int32), jnp.asarray(parents), nodes - 1)
+    anc = tree.ancestors()
+    root = jnp.asarray(rng.integers(0, max_pages * page_size - nodes, R), jnp.int32)
+    n = rng.integers(1, nodes + 1, R)  # a ragged number of verified nodes per row
+    qpos = jnp.asarray(np.where(np.arange(nodes)[None, :] < n[:, None], np.asarray(root)[:, None]
+                                + np.arange(nodes)[None, :], -1), jnp.int32)
+    kv_len = root + jnp.asarray(n, jnp.int32)
+    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(pages_per_split=2), interpret=True,
+                          root=root, ancestors=anc)
+    want = paged_attention_reference(q, k, v, pages, qpos, kv_len, root=root, ancestors=anc)
+    real = np.asarray(qpos >= 0)
+    assert np.isfinite(np.asarray(got)[real]).all()
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+    # a node's result is not the plain causal one (the tree mask took effect)
+    causal = paged_attention_reference(q, k, v, pages, qpos, kv_len)
+    assert not np.allclose(np.asarray(causal)[real], np.asarray(want)[real], atol=1e-3)
+    # a chain written as a tree is the chain
+    chain = jnp.broadcast_to(jnp.tril(jnp.ones((nodes, nodes), bool)), (R, nodes, nodes))
+    np.testing.assert_array_equal(
+        np.asarray(paged_attention(q, k, v, pages, qpos, kv_len, interpret=True, root=root, ancestors=chain))[real],
+        np.asarray(paged_attention(q, k, v, pages, qpos, kv_len, interpret=True))[real])
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_width():
     q, k, v, pages, qpos, kv_len = ragged_case(4, jnp.float32)
     full = paged_attention(q, k, v, pages, qpos, kv_len, interpret=True)

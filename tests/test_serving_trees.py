@@ -27,6 +27,7 @@ MECHANISMS = {
     "two_level": dict(two_level_k1=2),
     "two_level_packed": dict(two_level_k1=3, packed=True, budget=8),
     "all": dict(budget=7, packed=True, steps_per_call=8, two_level_k1=2),
+    "paged_kernel": dict(packed=True, two_level_k1=2, attention="interpret"),
 }
 
 
@@ -44,8 +45,8 @@ def test_trees_under_each_mechanism_pass_forcing(tiny, mechanism):
     cfg, params, prompts, reference = tiny
     drafter = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
     opts = ServingOptions(tree=TREES["topk"], **MECHANISMS[mechanism])
-    engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=8, options=opts,
-                           forcing=True)
+    engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=16 if "kernel" in mechanism else 8,
+                           options=opts, forcing=True)
     assert_forcing(engine, prompts, reference, 18)
 
 
@@ -77,9 +78,9 @@ def test_tree_configurations_not_built_say_so(tiny):
                                                                     packed=True, two_level_tokens=2))
     with pytest.raises(ConfigError, match=r"two_level_k1 must be in \[1, tree nodes\)"):
         ServingEngine(cfg, params, drafter, options=ServingOptions(tree=TREES["topk"], two_level_k1=6))
-    with pytest.raises(NotImplementedError, match="paged attention kernel"):
-        ServingEngine(cfg, params, drafter, page_size=16,
-                      options=ServingOptions(tree=TREES["topk"], attention="interpret"))
+    with pytest.raises(ConfigError, match="at most 64 nodes"):
+        ServingEngine(cfg, params, NgramDrafter(k=8, vocab_size=cfg.vocab_size), page_size=16,
+                      options=ServingOptions(tree=TreeSpec("topk", 64, 8), attention="interpret"))
     with pytest.raises(ConfigError, match="needs a drafter"):
         ServingEngine(cfg, params, None, options=ServingOptions(tree=TREES["topk"]))
     with pytest.raises(ValueError, match="exceeds the drafter"):
@@ -93,7 +94,7 @@ def test_the_search_sends_trees_with_batching_to_the_serving_engine():
               "serving.packed": "on", "serving.two_level_k1": 2, "serving.attention": "kernel"}
     opts = REGISTRY.apply(config)["serving"]
     assert opts.tree == TreeSpec("topk", 6, 4) and opts.packed
-    assert opts.two_level_k1 == 2 and opts.attention == "xla"  # the paged kernel: chains only
+    assert opts.two_level_k1 == 2 and opts.attention == "xla"  # the kernel on GPUs only
     assert REGISTRY.apply(dict(config, **{"serving.packed": "off", "serving.two_level_k1": 0}))["serving"] is None
 
 

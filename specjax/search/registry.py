@@ -307,7 +307,9 @@ def _serving_options(config: dict):
     """The serving engine's ServingOptions, or None (stock: the batch engine). Any batching
     mechanism switches to the continuous-batching engine (specjax/serving/); two-level
     verification needs at least 2 drafts (chain drafts or tree nodes); trees verify there with
-    every mechanism, over XLA's paged attention (docs/design/serving_trees.md)."""
+    every mechanism (the paged attention kernel masks trees of up to MAX_TREE nodes; larger ones
+    use XLA's attention, docs/design/serving_trees.md)."""
+    from pallas_kernels.paged_attention import MAX_TREE
     budget = int(config.get("serving.budget", 0))
     packed = config.get("serving.packed", "off") == "on"
     steps = int(config.get("serving.steps_per_call", 0))
@@ -322,7 +324,8 @@ def _serving_options(config: dict):
     from specjax.serving.state import ServingOptions
     return ServingOptions(budget=budget or None, packed=packed, steps_per_call=max(steps, 1),
                           two_level_k1=k1 or None, tree=tree,
-                          attention="xla" if tree is not None else _serving_attention(config))
+                          attention="xla" if tree is not None and tree.nodes + 1 > MAX_TREE
+                          else _serving_attention(config))
 
 
 def _serving_attention(config: dict) -> str:

@@ -107,6 +107,12 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
     last = jnp.full(pages.shape[0], -1, jnp.int32).at[batch.row].max(
         jnp.where(batch.valid, batch.positions, -1))
     live = (jnp.arange(view_len)[None, :] <= last[:, None])[:, :, None, None]  # [R, S, 1, 1]
+    if attention != "xla":  # the paged kernel: -1 marks columns without a token
+        has = jnp.zeros(batch.unpack.shape, bool).at[jnp.where(batch.valid, batch.row, pages.shape[0]),
+                                                      batch.col].set(True, mode="drop")
+        qcols = jnp.where(has, qpos, -1)
+        columns = None if batch.ancestors is None else \
+            batch.ancestors[:, batch.col0:batch.col0 + batch.width]  # [R, W, A]
     cos, sin = rope_cos_sin(cfg, batch.rope[None])
     x = params.embed[batch.tokens][None]  # [1, T, D]
     new_k, new_v, tapped = [], [], {}
@@ -115,12 +121,10 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
             kp = write_tokens(kp, k[0], page, offset)
             vp = write_tokens(vp, v[0], page, offset)
             if attention != "xla":
-                if batch.ancestors is not None:
-                    raise NotImplementedError("tree verification with the paged attention kernel: "
-                                              "use attention='xla' (docs/design/serving_trees.md)")
                 from pallas_kernels.paged_attention import paged_attention
-                mixed = paged_attention(q[0][batch.unpack], kp, vp, pages, qpos, last + 1,
-                                        interpret=attention == "interpret")
+                tree = {} if batch.ancestors is None else dict(root=tree_root(batch), ancestors=columns)
+                mixed = paged_attention(q[0][batch.unpack], kp, vp, pages, qcols, last + 1,
+                                        interpret=attention == "interpret", **tree)
                 return mixed[batch.row, batch.col][None], (kp, vp)
             v_view = jnp.where(live, gather_view(vp, pages), 0)
             if params.attention == "xla":

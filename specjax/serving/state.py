@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from specjax.decoding.chain import Forced
 from specjax.decoding.sequences import Sequences
+from pallas_kernels.paged_attention import MAX_TREE
 from specjax.errors import ConfigError
 from specjax.serving.paged_cache import TRASH_PAGE, PagedKVCache, init_paged_cache
 
@@ -67,10 +68,10 @@ class ServingOptions:
                 raise ConfigError("two_level_tokens cannot cut a tree's second level: which nodes it "
                                   "keeps would follow level 1's acceptance tests and bias sampling "
                                   "(docs/design/serving_trees.md)")
-            if self.attention != "xla":
-                raise NotImplementedError("tree verification with the paged attention kernel is not "
-                                          "built; use attention='xla' (docs/design/serving_trees.md)")
             spec = as_tree_spec(self.tree)
+            if self.attention != "xla" and spec.nodes + 1 > MAX_TREE:
+                raise ConfigError(f"the paged attention kernel masks trees of at most {MAX_TREE} nodes "
+                                  f"(root included); this tree has {spec.nodes + 1}")
             if self.two_level_k1 is not None and not 1 <= self.two_level_k1 < spec.nodes:
                 raise ConfigError(f"two_level_k1 must be in [1, tree nodes) = [1, {spec.nodes}), "
                                   f"got {self.two_level_k1}")
