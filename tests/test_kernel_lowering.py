@@ -109,3 +109,22 @@ def test_tree_attention_lowers_for_cuda(n):
     f = lambda q, k, v, s, a, d: tree_attention(q, k, v, s, a, d, n - 1)
     module = lower_for_cuda(f, q, kv, kv, jnp.array([100], jnp.int32), anc, depths)
     assert "tree_attention" in module and "xla.gpu.triton" in module
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_attention_lowers_for_cuda(tree):
+    from pallas_kernels.paged_attention import paged_attention
+    R, W, Hq, Hkv, hd, page_size, P = 4, 9, 8, 2, 64, 16, 8
+    q = jnp.ones((R, W, Hq, hd), jnp.bfloat16)
+    pool = jnp.ones((R * P + 1, page_size, Hkv, hd), jnp.bfloat16)
+    pages = jnp.zeros((R, P), jnp.int32)
+    qpos = jnp.zeros((R, W), jnp.int32)
+    kv_len = jnp.full((R,), 40, jnp.int32)
+    if tree:
+        f = lambda q, k, v, p, s, n, r, a: paged_attention(q, k, v, p, s, n, root=r, ancestors=a)
+        args = (jnp.zeros((R,), jnp.int32), jnp.ones((R, W, W), bool))
+    else:
+        f = lambda q, k, v, p, s, n: paged_attention(q, k, v, p, s, n)
+        args = ()
+    module = lower_for_cuda(f, q, pool, pool, pages, qpos, kv_len, *args)
+    assert "paged_attention" in module and "xla.gpu.triton" in module
