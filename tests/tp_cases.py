@@ -92,7 +92,9 @@ def serving(seed: int, tp: int):
     for label, drafter, opts in (
             ("ngram, budget + packed + device loop + two-level", NgramDrafter(k=4),
              ServingOptions(budget=6, packed=True, steps_per_call=4, two_level_k1=2)),
-            ("block, padded host loop", block, ServingOptions())):
+            ("block, padded host loop", block, ServingOptions()),
+            ("ngram trees, packed, paged kernel split by KV heads", NgramDrafter(k=4, vocab_size=cfg.vocab_size),
+             ServingOptions(packed=True, tree=TreeSpec("topk", 5, 3), attention="interpret"))):
         engine = ServingEngine(cfg, params, drafter, num_slots=3, slot_len=64, page_size=16, forcing=True,
                                options=opts, mesh=tp_mesh(tp))
         assert len(engine.params.layers[0].w_down.sharding.device_set) == tp

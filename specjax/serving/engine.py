@@ -91,11 +91,10 @@ class ServingEngine:
         if options.attention == "pallas" and jax.devices()[0].platform != "gpu":
             raise ConfigError("attention='pallas' needs a GPU; use 'interpret' to run the kernel on a CPU, slowly")
         if mesh is not None:  # tensor parallelism: as engine.Decoder (docs/design/tensor_parallel.md)
-            if options.attention != "xla":
-                raise NotImplementedError("tensor parallelism with the paged attention kernel (pallas_call is "
-                                          "not partitioned by XLA) is not built: use attention='xla'")
             from specjax.sharding.tp import replicate, shard_params
             params = shard_params(params, mesh)[0]
+            if options.attention != "xla":  # the paged kernel runs split by KV heads (flat_forward)
+                params = dataclasses.replace(params, mesh=mesh)
             if drafter is not None:
                 drafter = shard_params(drafter, mesh)[0] if shard_drafter else replicate(drafter, mesh)
         self.cfg, self.params, self.drafter = cfg, params, drafter

@@ -89,6 +89,20 @@ def _kernel_attention(interpret: bool, batch: FlatBatch, q, k_view, v_view, mask
                           interpret=interpret, first_node=batch.col0)
 
 
+def _paged_kernel(interpret: bool, mesh, cfg: ModelConfig, q, kp, vp, pages, qcols, kv_len, *tree):
+    """The ragged paged attention kernel (trees: root, ancestors), split by KV heads over a
+    tensor-parallel mesh where the heads divide (`sharding/tp_attention.py`)."""
+    from pallas_kernels.paged_attention import paged_attention
+    from specjax.sharding.tp_attention import head_parallel, splits_heads
+
+    def kernel(q, kp, vp, pages, qcols, kv_len, *tree):
+        extra = dict(root=tree[0], ancestors=tree[1]) if tree else {}
+        return paged_attention(q, kp, vp, pages, qcols, kv_len, interpret=interpret, **extra)
+    if splits_heads(mesh, cfg.num_kv_heads):
+        return head_parallel(kernel, mesh, q, kp, vp, pages, qcols, kv_len, *tree)
+    return kernel(q, kp, vp, pages, qcols, kv_len, *tree)
+
+
 def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages: jax.Array,
                  cache: PagedKVCache, taps: tuple[int, ...] = (), attention: str = "xla"
                  ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
@@ -121,10 +135,9 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
             kp = write_tokens(kp, k[0], page, offset)
             vp = write_tokens(vp, v[0], page, offset)
             if attention != "xla":
-                from pallas_kernels.paged_attention import paged_attention
-                tree = {} if batch.ancestors is None else dict(root=tree_root(batch), ancestors=columns)
-                mixed = paged_attention(q[0][batch.unpack], kp, vp, pages, qcols, last + 1,
-                                        interpret=attention == "interpret", **tree)
+                tree = () if batch.ancestors is None else (tree_root(batch), columns)
+                mixed = _paged_kernel(attention == "interpret", params.mesh, cfg, q[0][batch.unpack], kp, vp,
+                                      pages, qcols, last + 1, *tree)
                 return mixed[batch.row, batch.col][None], (kp, vp)
             v_view = jnp.where(live, gather_view(vp, pages), 0)
             if params.attention == "xla":
