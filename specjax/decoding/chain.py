@@ -110,11 +110,12 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
         logits, features, cache, pending = verify_two_level(verify, cache, k1 + 1, k + 1, promoted_of)
     if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
         dstate = drafter.observe(dstate, features, pos)
+    limit = () if num_drafts is None else (num_drafts,)  # the plain rule's own call without a budget
     if gen.sampling.greedy:
-        num_accepted, out = greedy_accept(draft, logits, num_drafts)
+        num_accepted, out = greedy_accept(draft, logits, *limit)
     else:
         num_accepted, out = rejection_accept(draft, draft_probs, probabilities(logits, gen.sampling), key_v,
-                                             num_drafts)
+                                             *limit)
     before = seqs.length
     seqs, stats, forced = finish_round(gen, seqs, stats, forced, out, num_accepted, top2_margin(logits))
     cache = target_commit(target, cfg, cache, pending, chain_path(*tokens.shape), committed_drafts(before, seqs),
