@@ -191,20 +191,25 @@ def test_broken_acceptance_rule_is_detected(target, monkeypatch):
     assert chi_square_p(counts, joint) < 0.01
 
 
-@pytest.mark.parametrize("tree", [None, "topk"])
-def test_hybrid_target_sampling_follows_target(tree):
-    """A hybrid recurrent target (GDN + attention): chains and top-k trees of an n-gram drafter.
-    A wrong state commit would change every later token's distribution."""
+def hybrid_target():
+    """A tiny hybrid recurrent target (GDN + attention) over the V-token vocabulary."""
     from specjax.models.hybrid import init_random_hybrid_params
     from specjax.models.hybrid_config import HybridConfig
-    from specjax.trees.builders import TreeSpec
     cfg = HybridConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=4,
                        layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
                        num_heads=2, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
                        rms_norm_eps=1e-6, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
                        linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
                        max_position_embeddings=64)
-    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(8), scale=0.6)
+    return cfg, init_random_hybrid_params(cfg, jax.random.PRNGKey(8), scale=0.6)
+
+
+@pytest.mark.parametrize("tree", [None, "topk"])
+def test_hybrid_target_sampling_follows_target(tree):
+    """A hybrid recurrent target (GDN + attention): chains and top-k trees of an n-gram drafter.
+    A wrong state commit would change every later token's distribution."""
+    from specjax.trees.builders import TreeSpec
+    cfg, params = hybrid_target()
     sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
     joint = exact_joint(cfg, params, sampling)
     spec = None if tree is None else TreeSpec.budget(tree, 6, 3)

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_model
 from specjax.serving import ServingEngine, ServingOptions
 from specjax.trees.builders import TreeSpec
-from test_sampling_exactness import PROMPT, SAMPLINGS, V, chi_square_p, exact_joint, make
+from test_sampling_exactness import PROMPT, SAMPLINGS, V, chi_square_p, exact_joint, hybrid_target, make
 
 DRAWS = 20_000
 CASES = {  # drafter, sampling, mechanisms (two-level draws its uniforms once per step)
@@ -31,6 +31,16 @@ def target():
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
 
 
+def served_counts(engine) -> np.ndarray:
+    """[V, V, V] counts of the first three tokens of DRAWS requests of PROMPT."""
+    rids = [engine.submit(PROMPT, 3) for _ in range(DRAWS)]
+    results = engine.run()
+    first3 = np.array([results[r].tokens for r in rids])
+    counts = np.zeros((V, V, V), np.int64)
+    np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
+    return counts
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_served_tokens_follow_target(target, case):
     cfg, params = target
@@ -39,38 +49,19 @@ def test_served_tokens_follow_target(target, case):
     engine = ServingEngine(cfg, params, make(kind, cfg, params), num_slots=256, slot_len=16, page_size=4,
                            queue_len=256, max_waiting=DRAWS, prompt_width=len(PROMPT),
                            sampling=sampling, options=opts, seed=11)
-    rids = [engine.submit(PROMPT, 3) for _ in range(DRAWS)]
-    results = engine.run()
-    first3 = np.array([results[r].tokens for r in rids])
-    counts = np.zeros((V, V, V), np.int64)
-    np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
-    assert chi_square_p(counts, exact_joint(cfg, params, sampling)) > 0.01
+    assert chi_square_p(served_counts(engine), exact_joint(cfg, params, sampling)) > 0.01
 
 
 @pytest.mark.parametrize("tree", [None, "topk"])
 def test_served_hybrid_tokens_follow_target(tree):
     """A hybrid target (GDN + attention) in the serving engine with the budget and two-level
     verification (level 2 re-runs level 1's rows; chains and top-k trees of an n-gram drafter)."""
-    import jax
     from specjax.drafters.ngram import NgramDrafter
-    from specjax.models.hybrid import init_random_hybrid_params
-    from specjax.models.hybrid_config import HybridConfig
-    cfg = HybridConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=4,
-                       layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
-                       num_heads=2, num_kv_heads=1, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
-                       rms_norm_eps=1e-6, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
-                       linear_value_head_dim=8, linear_conv_kernel_dim=3, tie_word_embeddings=True,
-                       max_position_embeddings=64)
-    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(8), scale=0.6)
+    cfg, params = hybrid_target()
     sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
     opts = ServingOptions(budget=400, steps_per_call=32, two_level_k1=1,
                           tree=None if tree is None else TreeSpec.budget(tree, 6, 3))
     engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=V), num_slots=256, slot_len=16,
                            page_size=4, queue_len=256, max_waiting=DRAWS, prompt_width=len(PROMPT),
                            sampling=sampling, options=opts, seed=13)
-    rids = [engine.submit(PROMPT, 3) for _ in range(DRAWS)]
-    results = engine.run()
-    first3 = np.array([results[r].tokens for r in rids])
-    counts = np.zeros((V, V, V), np.int64)
-    np.add.at(counts, (first3[:, 0], first3[:, 1], first3[:, 2]), 1)
-    assert chi_square_p(counts, exact_joint(cfg, params, sampling)) > 0.01
+    assert chi_square_p(served_counts(engine), exact_joint(cfg, params, sampling)) > 0.01
