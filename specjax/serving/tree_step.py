@@ -1,6 +1,6 @@
 """A serving verify step over trees of drafts: draft a tree per slot, admit the first nodes the
-budget allows, verify them in one flat forward (or two: two-level verification) (node j of slot b at cache position
-first + j, rotated at first + depth), accept the longest agreeing path (greedy) or walk the tree
+budget allows, verify them in one flat forward, or two with two-level verification (node j of
+slot b at cache position first + j, rotated at first + depth), accept the longest agreeing path (greedy) or walk the tree
 (sampled, exact in distribution), commit, and move the path's K/V to contiguous positions in the
 slot's pages (docs/design/serving_trees.md). Pure; the chain step is `step.verify_step`.
 """
