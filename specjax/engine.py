@@ -117,10 +117,6 @@ class Decoder:
         self.kernels = resolve_kernels(kernels, cfg)
         self.shard_report = None
         if mesh is not None:
-            if self.kernels != "xla" and is_hybrid(cfg):
-                raise NotImplementedError(
-                    "tensor parallelism with the hybrid target's Pallas kernels (attention, tree "
-                    "GDN): not split per device yet; use kernels='xla' with a mesh")
             from specjax.sharding.tp import replicate, shard_params
             params, self.shard_report = shard_params(params, mesh)
             if drafter is not None:
@@ -129,7 +125,8 @@ class Decoder:
         if self.kernels != "xla" and is_hybrid(cfg):  # attention and tree-GDN kernels; XLA GEMMs
             if weights_format:
                 raise ConfigError("weights_format (12-bit weights) is for dense targets only")
-            params = dataclasses.replace(params, kernels=self.kernels)
+            # under a mesh the attention and tree-GDN kernels run split by heads (sharding/tp_hybrid.py)
+            params = dataclasses.replace(params, kernels=self.kernels, mesh=mesh)
         elif self.kernels != "xla":
             from specjax.models.kernel_params import prepare_kernel_params
             params, self.kernel_report = prepare_kernel_params(

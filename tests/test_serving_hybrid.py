@@ -31,7 +31,11 @@ def hybrid():
 MODES = {"chain": ServingOptions(), "chain_device_loop": ServingOptions(steps_per_call=8),
          "chain_budget": ServingOptions(budget=3), "chain_two_level": ServingOptions(two_level_k1=1),
          "tree": ServingOptions(tree=TreeSpec("topk", 5, 3), steps_per_call=4),
-         "tree_budget_two_level": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=6, two_level_k1=2)}
+         "tree_budget_two_level": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=6, two_level_k1=2),
+         "chain_packed": ServingOptions(packed=True), "chain_budget_packed": ServingOptions(budget=2, packed=True),
+         "tree_budget_packed": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=4, packed=True),
+         "all": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=5, packed=True, two_level_k1=2,
+                               steps_per_call=4)}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -45,9 +49,10 @@ def test_hybrid_requests_pass_forcing(hybrid, mode):
 
 def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
     cfg, params, prompts, reference = hybrid
-    for drafter in (None, NgramDrafter(k=3, vocab_size=cfg.vocab_size)):
-        engine = ServingEngine(cfg, params, drafter, num_slots=2, slot_len=48, page_size=8,
-                               options=ServingOptions(steps_per_call=3))
+    ngram = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
+    for drafter, opts in ((None, ServingOptions(steps_per_call=3)), (ngram, ServingOptions(steps_per_call=3)),
+                          (ngram, ServingOptions(steps_per_call=3, packed=True, budget=3))):
+        engine = ServingEngine(cfg, params, drafter, num_slots=2, slot_len=48, page_size=8, options=opts)
         rids = [engine.submit(p, 14) for p in prompts]
         results = engine.run()
         assert [results[r].tokens for r in rids] == reference.tokens
@@ -56,7 +61,8 @@ def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
 def test_hybrid_mechanisms_not_built_say_so(hybrid):
     cfg, params, _, _ = hybrid
     d = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
-    for opts in (ServingOptions(packed=True), ServingOptions(attention="interpret")):
+    for opts in (ServingOptions(attention="interpret"), ServingOptions(packed=True, two_level_k1=1,
+                                                                      two_level_tokens=2)):
         with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
             ServingEngine(cfg, params, d, page_size=16, options=opts)
 

@@ -54,12 +54,13 @@ def test_served_tokens_follow_target(target, case):
 
 @pytest.mark.parametrize("tree", [None, "topk"])
 def test_served_hybrid_tokens_follow_target(tree):
-    """A hybrid target (GDN + attention) in the serving engine with the budget and two-level
-    verification (level 2 re-runs level 1's rows; chains and top-k trees of an n-gram drafter)."""
+    """A hybrid target (GDN + attention) in the serving engine with the budget, packing and
+    two-level verification (level 2 re-runs level 1's rows; chains and top-k trees of an n-gram
+    drafter)."""
     from specjax.drafters.ngram import NgramDrafter
     cfg, params = hybrid_target()
     sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
-    opts = ServingOptions(budget=400, steps_per_call=32, two_level_k1=1,
+    opts = ServingOptions(budget=400, packed=True, steps_per_call=32, two_level_k1=1,
                           tree=None if tree is None else TreeSpec.budget(tree, 6, 3))
     engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=V), num_slots=256, slot_len=16,
                            page_size=4, queue_len=256, max_waiting=DRAWS, prompt_width=len(PROMPT),

@@ -128,6 +128,51 @@ def hybrid(seed: int, tp: int):
                                  ("small AR drafter tree 6", small, TreeSpec.budget("topk", 6, 3))):
         dec = Decoder(cfg, params, gen, drafter=drafter, tree=tree, mesh=mesh)
         check(f"hybrid seed {seed} tp {tp} {label}", dec, prompts, reference)
+    hybrid_kernels_split(seed, mesh)
+    # the attention and tree-GDN kernels (interpret mode) split by heads: per head the one-device
+    # kernel's arithmetic, so the sharded kernel decoder gives the unsharded one's tokens exactly
+    ngram = NgramDrafter(k=4, vocab_size=cfg.vocab_size)
+    for label, tree in (("chain", None), ("tree 6", TreeSpec.budget("topk", 6, 3))):
+        dec = Decoder(cfg, params, gen, drafter=ngram, tree=tree, kernels="interpret", mesh=mesh)
+        check(f"hybrid seed {seed} tp {tp} kernels split by heads, {label}", dec, prompts, reference)
+        alone = Decoder(cfg, params, gen, drafter=ngram, tree=tree, kernels="interpret").generate(prompts)
+        assert dec.generate(prompts).tokens == alone.tokens, f"hybrid kernels tp {tp} {label}: differ from one device"
+    from specjax.serving import ServingEngine, ServingOptions
+    from specjax.serving.forcing import check_serving_forcing
+    engine = ServingEngine(cfg, params, ngram, num_slots=2, slot_len=64, page_size=8, forcing=True, mesh=mesh,
+                           options=ServingOptions(budget=4, packed=True, steps_per_call=4, two_level_k1=1,
+                                                  tree=TreeSpec("topk", 5, 3)))
+    report = check_serving_forcing(engine, prompts, reference, 16, tolerance=TOL)
+    assert report.passed, f"hybrid serving tp {tp}: {report.summary()}"
+    print(f"ok hybrid serving seed {seed} tp {tp}, trees with every mechanism: {report.summary()}")
+
+
+def hybrid_kernels_split(seed: int, mesh):
+    """The tree-GDN and attention kernels run in shard_map over the mesh, bitwise the one-device
+    kernels on random inputs."""
+    import jax.numpy as jnp
+    from specjax.sharding.tp_hybrid import attention_kernel, tree_gdn_kernel
+    from specjax.trees.tree import Tree
+    rng = np.random.default_rng(seed)
+    B, N, H, d = 2, 6, 4, 8
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+    parents = jnp.asarray([[-1, 0, 0, 1, 1, 2]] * B, jnp.int32)
+    anc = Tree(jnp.zeros((B, N), jnp.int32), parents, 2).ancestors()
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    gdn_args = (normal(B, H, d, d), unit(normal(B, N, H, d)), unit(normal(B, N, H, d)), normal(B, N, H, d),
+                -jnp.abs(normal(B, N, H)), jax.nn.sigmoid(normal(B, N, H)), anc)
+    S = 16
+    mask = jnp.arange(S)[None, None, :] <= (9 + jnp.arange(N))[None, :, None]
+    attn_args = (normal(B, N, H, d), normal(B, S, 2, d), normal(B, S, 2, d), jnp.broadcast_to(mask, (B, N, S)),
+                 jnp.full((B,), 9 + N, jnp.int32))
+    for name, fn, args in (("tree GDN", lambda *a, mesh=None: tree_gdn_kernel(*a, 2, True, mesh), gdn_args),
+                           ("attention", lambda *a, mesh=None: attention_kernel(*a, True, mesh), attn_args)):
+        split = jax.jit(lambda *a: fn(*a, mesh=mesh))
+        assert "shard_map" in str(jax.make_jaxpr(split)(*args)), f"{name}: not split over the mesh"
+        np.testing.assert_array_equal(np.asarray(split(*args)), np.asarray(jax.jit(fn)(*args)))
+        print(f"ok hybrid {name} kernel split by heads: bitwise the one-device kernel")
 
 
 def kernels(seed: int, tp: int):

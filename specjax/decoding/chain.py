@@ -74,9 +74,11 @@ def force(forced: Forced, seqs: Sequences, out, num_accepted):
 
 def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationConfig, cache: KVCache,
                dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None,
-               num_drafts: jax.Array | None = None, two_level_k1: int | None = None):
+               num_drafts: jax.Array | None = None, two_level_k1: int | None = None,
+               packed_bucket: int | None = None):
     """One draft -> verify -> accept -> commit round. num_drafts [B] (a serving budget): only the
-    first num_drafts[b] drafts may be accepted. two_level_k1: verify pending + k1 drafts first, and
+    first num_drafts[b] drafts may be accepted. packed_bucket (hybrid targets): verify only those
+    drafts, packed into a flat bucket of at most this many tokens (`packed_counts`). two_level_k1: verify pending + k1 drafts first, and
     all k + 1 tokens again only where the k1 passed and some row did (the serving engine's
     two-level switch for hybrid targets, whose deferred GDN paths make level 1's rows part of any
     later forward: level 2 re-runs them rather than reusing their K/V)."""
@@ -87,9 +89,11 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
     taps = getattr(drafter, "taps", ())  # block drafters condition on target hidden states
 
-    def verify(width, cache):
+    def verify(width, cache, rows=None):
         positions = pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, :width], positions, cache, pos, taps)
+        pack = packed_counts(seqs, k if num_drafts is None else num_drafts, width, rows, packed_bucket)
+        hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, :width], positions, cache, pos, taps,
+                                                        pack)
         return target_logits(target, cfg, hidden), features, cache, pending
 
     if two_level_k1 is None:
@@ -121,6 +125,17 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     cache = target_commit(target, cfg, cache, pending, chain_path(*tokens.shape), committed_drafts(before, seqs),
                           pos, is_chain=True)
     return cache, dstate, seqs, stats, forced
+
+
+def packed_counts(seqs: Sequences, reach, width: int, rows, bucket: int | None):
+    """(counts [B], bucket) for a packed verify of `width` tokens a row, or None (not packed):
+    each unfinished row (of `rows`, if given) takes its pending token and `reach` [B] drafts (or
+    nodes), the others nothing. bucket bounds sum(counts): the caller's B + draft budget."""
+    if bucket is None:
+        return None
+    use = ~seqs.done if rows is None else rows & ~seqs.done
+    counts = jnp.where(use, jnp.minimum(jnp.asarray(reach) + 1, width), 0).astype(jnp.int32)
+    return counts, min(seqs.length.shape[0] * width, bucket)
 
 
 def committed_drafts(length_before: jax.Array, seqs: Sequences) -> jax.Array:

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.chain import ChainStats, Forced, committed_drafts, finish_round
+from specjax.decoding.chain import ChainStats, Forced, committed_drafts, finish_round, packed_counts
 from specjax.decoding.sequences import GenerationConfig, Sequences
 from specjax.decoding.two_level import verify_two_level
 from specjax.models.config import ModelConfig
@@ -70,23 +70,27 @@ def draft_tree(drafter, spec: TreeSpec, sampling: SamplingConfig, dstate, seqs: 
 
 def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, gen: GenerationConfig,
               cache: KVCache, dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None,
-              num_drafts: jax.Array | None = None, two_level_k1: int | None = None):
+              num_drafts: jax.Array | None = None, two_level_k1: int | None = None,
+              packed_bucket: int | None = None):
     """One tree round. num_drafts [B] (a serving budget): only each row's first num_drafts[b]
     nodes are verified (a subtree). two_level_k1: verify nodes 0..k1 first (a subtree), and the
-    whole tree only for rows whose walk steps past them (`decoding/two_level.py`)."""
+    whole tree only for rows whose walk steps past them (`decoding/two_level.py`).
+    packed_bucket (hybrid targets): pack the verified nodes into one flat bucket (`chain_step`)."""
     pos = seqs.length - 1  # the pending token's slot: the tree's root
     tree, dstate = draft_tree(drafter, spec, gen.sampling, dstate, seqs)
     if num_drafts is not None:
         tree = tree.first_nodes(num_drafts)
     taps = getattr(drafter, "taps", ())
 
-    def verify(width, cache):  # nodes 0 .. width - 1: parents come first, so a subtree
+    def verify(width, cache, rows=None):  # nodes 0 .. width - 1: parents come first, so a subtree
         sub = Tree(tree.tokens[:, :width], tree.parents[:, :width], tree.max_depth)
         anc = sub.ancestors()
         depths = sub.depths(anc)
         mask = TreeMask(tree_mask(sub, pos, cache.num_slots, anc), anc, depths, sub.max_depth)
+        reach = tree.num_nodes - 1 if num_drafts is None else num_drafts
         hidden, features, cache, pending = target_verify(target, cfg, sub.tokens, pos[:, None] + depths, cache,
-                                                         pos, taps, mask, sub.parents, anc, sub.max_depth)
+                                                         pos, taps, mask, sub.parents, anc, sub.max_depth,
+                                                         packed_counts(seqs, reach, width, rows, packed_bucket))
         return target_logits(target, cfg, hidden), features, cache, pending
 
     def walk(logits):

@@ -15,16 +15,18 @@ import jax.numpy as jnp
 
 
 def verify_two_level(verify, cache, w1: int, w: int, promoted_of):
-    """verify(width, cache) -> (logits [B, width, V], features or None, cache, pending or None);
-    promoted_of(level-1 logits padded to w with zeros) -> [B] bool. Returns the same four, width w."""
+    """verify(width, cache, rows) -> (logits [B, width, V], features or None, cache, pending or
+    None), rows [B] bool or None (all): the rows whose results will be used (a packed verify runs
+    only those); promoted_of(level-1 logits padded to w with zeros) -> [B] bool. Returns the same
+    four, width w."""
     def pad(x):
         return x if x is None else jnp.pad(x, ((0, 0), (0, w - w1)) + ((0, 0),) * (x.ndim - 2))
 
-    logits1, feats1, cache1, pending1 = verify(w1, cache)
+    logits1, feats1, cache1, pending1 = verify(w1, cache, None)
     level1 = (pad(logits1), pad(feats1), cache1, pad(pending1))
     promoted = promoted_of(level1[0])
-    shapes = jax.eval_shape(lambda c: verify(w, c), cache)
-    full = jax.lax.cond(jnp.any(promoted), lambda c: verify(w, c),
+    shapes = jax.eval_shape(lambda c: verify(w, c, promoted), cache)
+    full = jax.lax.cond(jnp.any(promoted), lambda c: verify(w, c, promoted),
                         lambda c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), cache)
 
     def pick(a, b):  # every leaf is batch-leading (logits, features, K/V, GDN states, paths)

@@ -44,9 +44,13 @@ class GDNParams:
 def gdn_project(p: GDNParams, cfg: HybridConfig, h: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """h [B, T, D] (normed) -> conv_in [B, T, conv_dim], z [B, T, Hv, dv], b [B, T, Hv], a [B, T, Hv]."""
-    B, T, _ = h.shape
+    return split_projection(cfg, linear(h, p.w_in))
+
+
+def split_projection(cfg: HybridConfig, proj: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """in_proj's output [B, T, in_proj_size] -> conv_in, z, b, a (as `gdn_project`)."""
+    B, T, _ = proj.shape
     Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    proj = linear(h, p.w_in)
     conv_in, z, b, a = jnp.split(proj, [cfg.conv_dim, cfg.conv_dim + cfg.value_dim,
                                         cfg.conv_dim + cfg.value_dim + Hv], axis=-1)
     return conv_in, z.reshape(B, T, Hv, dv), b, a
@@ -89,13 +93,18 @@ def gates(p: GDNParams, b: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Arra
 def gdn_output(p: GDNParams, cfg: HybridConfig, core: jax.Array, z: jax.Array) -> jax.Array:
     """Gated RMSNorm over each head's dv (norm, scale, times SiLU(z)), then out_proj.
     core [B, T, Hv, dv] (float32 from the recurrence), z [B, T, Hv, dv] -> [B, T, D]."""
+    return linear(gated_norm(p, cfg, core, z), p.w_out)
+
+
+def gated_norm(p: GDNParams, cfg: HybridConfig, core: jax.Array, z: jax.Array) -> jax.Array:
+    """`gdn_output` before out_proj -> [B, T, value_dim] in the model dtype."""
     B, T = core.shape[:2]
     dtype = z.dtype
     xf = core.astype(dtype).astype(jnp.float32)  # transformers hands the norm the model dtype
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scaled = p.norm * xf.astype(dtype)
     gated = scaled.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    return linear(gated.astype(dtype).reshape(B, T, cfg.value_dim), p.w_out)
+    return gated.astype(dtype).reshape(B, T, cfg.value_dim)
 
 
 def gdn_advance(p: GDNParams, cfg: HybridConfig, state: jax.Array, window: jax.Array, conv_in: jax.Array,

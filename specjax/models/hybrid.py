@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.decode_attention import decode_attention
-from specjax.models.gated_deltanet import GDNParams, gdn_layer
-from specjax.models.hybrid_tree import gdn_replay, gdn_tree_layer
+from specjax.models.gated_deltanet import GDNParams
+from specjax.models.hybrid_tree import gdn_mixer, gdn_mixer_packed
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.kv_cache import write_rows
 from specjax.models.linear import linear
 from specjax.models.rope import apply_rope
+from specjax.models.row_packing import pack_rows
 from specjax.models.transformer import dense_attention, causal_slot_mask
+from specjax.sharding.tp_hybrid import attention_kernel
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +63,8 @@ class HybridParams:
     # "xla", or the Pallas kernels for attention and tree verification of the GDN layers
     # ("pallas"; "interpret": Pallas interpret mode on a CPU)
     kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # a "tp" mesh the kernels run split over by heads (`sharding/tp_hybrid.py`); None: one device
+    mesh: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -133,13 +136,22 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots: jax.Array | 
 
 
 def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache, v_cache, start, mask,
-                     kernels: str = "xla", slots: jax.Array | None = None, kv_end: jax.Array | None = None):
+                     kernels: str = "xla", slots: jax.Array | None = None, kv_end: jax.Array | None = None,
+                     mesh=None):
     """h [B, T, D] (normed) -> (out [B, T, D], new caches). Output scaled by sigmoid(gate) per channel.
     slots: where each row's K/V goes (default: contiguous from start); kv_end [B]: no slot at or
     past it is visible (default start + T)."""
-    B, T, _ = h.shape
-    q, gate, k, v = jnp.split(linear(h, p.w_qgkv),
-                              [cfg.q_size, 2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
+    gated, k_cache, v_cache = _attention_gated(cfg, p, linear(h, p.w_qgkv), cos, sin, k_cache, v_cache, start,
+                                               mask, kernels, slots, kv_end, mesh)
+    return linear(gated, p.w_o), k_cache, v_cache
+
+
+def _attention_gated(cfg: HybridConfig, p: AttnLayerParams, qgkv, cos, sin, k_cache, v_cache, start, mask,
+                     kernels: str, slots, kv_end, mesh=None):
+    """`_gated_attention` between its two GEMMs: qgkv [B, T, w_qgkv columns] -> (attention output
+    times sigmoid(gate) [B, T, q_size], new caches)."""
+    B, T, _ = qgkv.shape
+    q, gate, k, v = jnp.split(qgkv, [cfg.q_size, 2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
     q = rms_norm(q.reshape(B, T, cfg.num_heads, cfg.head_dim), p.q_norm, cfg.rms_norm_eps)
     k = rms_norm(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), p.k_norm, cfg.rms_norm_eps)
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -151,8 +163,8 @@ def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache
         mixed = dense_attention(cfg, q, k_cache, v_cache, mask)  # reads num_heads, num_kv_heads, head_dim, q_size
     else:  # the fused kernel (any mask: causal or a tree's)
         end = start + q.shape[1] if kv_end is None else kv_end
-        mixed = decode_attention(q, k_cache, v_cache, mask, end, interpret=kernels == "interpret")
-    return linear(mixed * jax.nn.sigmoid(gate), p.w_o), k_cache, v_cache
+        mixed = attention_kernel(q, k_cache, v_cache, mask, end, kernels == "interpret", mesh)
+    return mixed * jax.nn.sigmoid(gate), k_cache, v_cache
 
 
 def _mlp(p: GDNLayerParams | AttnLayerParams, h: jax.Array) -> jax.Array:
@@ -171,7 +183,7 @@ def hybrid_forward(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, p
 
 def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
                cache: HybridCache, start: jax.Array, mask: jax.Array | None = None,
-               valid: jax.Array | None = None, taps: tuple[int, ...] = (), tree=None):
+               valid: jax.Array | None = None, taps: tuple[int, ...] = (), tree=None, pack=None):
     """`hybrid_forward` with the engine's options -> (hidden, features, cache, pending).
 
     valid [B]: each row's real tokens (the rest, right-padding, never reaches a GDN state).
@@ -183,7 +195,14 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
     A deferred path in the cache (`HybridCache.replay`, R rows) runs first, as rows ahead of the
     T tokens: its K/V are rewritten at their own slots, and each GDN layer advances its state and
     window over it one token per `gdn_advance` call (plain decoding's step) before the T tokens
-    see the state. Its rows are dropped from what is returned."""
+    see the state. Its rows are dropped from what is returned.
+
+    pack: (counts [B], bucket) with a tree: run only each row's first counts[b] tokens and its
+    deferred path, packed into one flat bucket of B R + bucket tokens for every row-wise op
+    (`row_packing.py`; the serving engine's packed verification). bucket (static) >= sum(counts).
+    The returned hidden rows past a row's count are filler (finite, never to be read)."""
+    if pack is not None and tree is None:
+        raise ValueError("packed rows need the tree form of the GDN layers (chain_verify passes it)")
     T, R, S = tokens.shape[1], cache.replay.shape[1], cache.num_slots
     if mask is None:
         mask = causal_slot_mask(start, T, S)
@@ -198,7 +217,15 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
         positions = jnp.concatenate([r_slots, positions], axis=1)
         mask = jnp.concatenate([r_mask, mask], axis=1)
         kv_end = start + T
-    x = params.embed[tokens]
+    packing = None
+    if pack is not None:  # rows with a count of 0 run nothing, their deferred path included
+        counts, bucket = pack
+        cols = jnp.arange(R + T)[None, :]
+        live = jnp.where(cols < R, cols < cache.replay_len[:, None], cols - R < counts[:, None]) & (counts[:, None] > 0)
+        packing = pack_rows(live, tokens.shape[0] * R + bucket)
+    to_rows = (lambda y: y) if packing is None else packing.to_rows
+    to_flat = (lambda y: y) if packing is None else packing.to_flat
+    x = params.embed[to_flat(tokens)]  # [B, R + T, D], or the live tokens [1, N, D] packed
     cos, sin = rope_cos_sin(cfg, positions)
     new = cache.replaced(k=list(cache.k), v=list(cache.v), state=list(cache.state), conv=list(cache.conv),
                          replay_len=jnp.zeros_like(cache.replay_len))
@@ -209,28 +236,31 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
         h = rms_norm(x, p.in_norm, cfg.rms_norm_eps)
         if i in attn_index:
             n = attn_index[i]
-            out, new.k[n], new.v[n] = _gated_attention(cfg, p, h, cos, sin, new.k[n], new.v[n], start, mask,
-                                                       params.kernels, slots, kv_end)
+            if packing is None:
+                out, new.k[n], new.v[n] = _gated_attention(cfg, p, h, cos, sin, new.k[n], new.v[n], start, mask,
+                                                           params.kernels, slots, kv_end, params.mesh)
+            else:  # the GEMMs on the bucket, attention over the rows
+                gated, new.k[n], new.v[n] = _attention_gated(cfg, p, to_rows(linear(h, p.w_qgkv)), cos, sin,
+                                                             new.k[n], new.v[n], start, mask, params.kernels, slots,
+                                                             kv_end, params.mesh)
+                out = linear(to_flat(gated), p.w_o)
         else:
             n = gdn_index[i]
-            state, window, outs = new.state[n], new.conv[n], []
-            if R:
-                out_r, state, window = gdn_replay(p.gdn, cfg, h[:, :R], state, window, cache.replay_len)
-                outs.append(out_r)
-            if tree is not None:
-                outs.append(gdn_tree_layer(p.gdn, cfg, h[:, R:], state, window, tree, params.kernels))
+            if packing is None:
+                out, new.state[n], new.conv[n] = gdn_mixer(p.gdn, cfg, h, new.state[n], new.conv[n], R,
+                                                            cache.replay_len, tree, valid, params.kernels,
+                                                            params.mesh)
             else:
-                out_t, state, window = gdn_layer(p.gdn, cfg, h[:, R:], state, window, valid)
-                outs.append(out_t)
-            new.state[n], new.conv[n] = state, window
-            out = jnp.concatenate(outs, axis=1) if R else outs[0]
+                out, new.state[n], new.conv[n] = gdn_mixer_packed(p.gdn, cfg, h, new.state[n], new.conv[n], R,
+                                                                   cache.replay_len, tree, params.kernels, packing,
+                                                                   params.mesh)
         x = x + out
         x = x + _mlp(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
         if i in taps:
-            tapped[i] = x[:, R:]
+            tapped[i] = to_rows(x)[:, R:]
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
     pending = tokens[:, R:] if tree is not None else None
-    return rms_norm(x[:, R:], params.final_norm, cfg.rms_norm_eps), features, new, pending
+    return to_rows(rms_norm(x, params.final_norm, cfg.rms_norm_eps))[:, R:], features, new, pending
 
 
 def hybrid_logits(params: HybridParams, hidden: jax.Array) -> jax.Array:

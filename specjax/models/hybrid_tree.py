@@ -13,10 +13,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.gated_deltanet import GDNParams, gates, gdn_advance, gdn_output, gdn_project, split_qkv
+from specjax.models.gated_deltanet import (GDNParams, gated_norm, gates, gdn_advance, gdn_layer, gdn_project,
+                                          split_projection, split_qkv)
 from specjax.models.gdn_rule import normalize_qk
 from specjax.models.gdn_tree import gdn_tree_parallel, path_windows
 from specjax.models.hybrid_config import HybridConfig
+from specjax.models.linear import linear
+from specjax.models.row_packing import RowPacking
 
 
 def conv_over_windows(windows: jax.Array, weight: jax.Array, dtype) -> jax.Array:
@@ -28,10 +31,17 @@ def conv_over_windows(windows: jax.Array, weight: jax.Array, dtype) -> jax.Array
 
 
 def gdn_tree_layer(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
-                   tree, kernels: str = "xla") -> jax.Array:
+                   tree, kernels: str = "xla", mesh=None) -> jax.Array:
     """h [B, N, D] (normed) over the tree (parents [B, N], ancestors [B, N, N], depth) -> out [B, N, D]."""
-    parents, ancestors, depth = tree
     conv_in, z, b, a = gdn_project(p, cfg, h)
+    return linear(gdn_tree_gated(p, cfg, conv_in, z, b, a, state, window, tree, kernels, mesh), p.w_out)
+
+
+def gdn_tree_gated(p: GDNParams, cfg: HybridConfig, conv_in, z, b, a, state, window, tree, kernels: str = "xla",
+                   mesh=None):
+    """`gdn_tree_layer` from the projection (`gdn_project`'s four parts) to before out_proj
+    -> [B, N, value_dim] (the packed serving forward runs both GEMMs on its flat bucket)."""
+    parents, ancestors, depth = tree
     y = conv_over_windows(path_windows(window, conv_in, parents), p.conv_w, conv_in.dtype)
     q, k, v = split_qkv(cfg, y)
     g, beta = gates(p, b, a)
@@ -39,9 +49,9 @@ def gdn_tree_layer(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Arr
     if kernels == "xla":
         core = gdn_tree_parallel(state, q, k, v, g, beta, ancestors, depth)
     else:
-        from pallas_kernels.tree_gdn import tree_gdn
-        core = tree_gdn(state, q, k, v, g, beta, ancestors, depth, interpret=kernels == "interpret")
-    return gdn_output(p, cfg, core, z)
+        from specjax.sharding.tp_hybrid import tree_gdn_kernel  # split by value heads under a mesh
+        core = tree_gdn_kernel(state, q, k, v, g, beta, ancestors, depth, kernels == "interpret", mesh)
+    return gated_norm(p, cfg, core, z)
 
 
 def gdn_replay(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
@@ -51,8 +61,14 @@ def gdn_replay(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, 
     decoding makes (a multi-token scan compiles to other last bits on the CPU); past a row's count,
     g = beta = 0 and the window stays: an exact identity."""
     conv_in, z, b, a = gdn_project(p, cfg, h)
+    gated, state, window = gdn_replay_gated(p, cfg, conv_in, z, b, a, state, window, count)
+    return linear(gated, p.w_out), state, window
+
+
+def gdn_replay_gated(p: GDNParams, cfg: HybridConfig, conv_in, z, b, a, state, window, count):
+    """`gdn_replay` from the projection to before out_proj -> (gated [B, R, value_dim], state, window)."""
     xs = [jnp.moveaxis(x, 1, 0)[:, :, None] for x in (conv_in, b, a)]  # [R, B, 1, ...]
-    live = jnp.arange(h.shape[1])[:, None] < count[None, :]  # [R, B]
+    live = jnp.arange(conv_in.shape[1])[:, None] < count[None, :]  # [R, B]
 
     def token(carry, inputs):
         conv_in, b, a, valid = inputs
@@ -60,4 +76,33 @@ def gdn_replay(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, 
         return (s, w), core[:, 0]
 
     (state, window), cores = jax.lax.scan(token, (state, window), (*xs, live))
-    return gdn_output(p, cfg, jnp.moveaxis(cores, 0, 1), z), state, window
+    return gated_norm(p, cfg, jnp.moveaxis(cores, 0, 1), z), state, window
+
+
+def gdn_mixer(p: GDNParams, cfg: HybridConfig, h, state, window, R: int, replay_len, tree, valid, kernels: str,
+              mesh=None):
+    """The GDN layer of `hybrid_run` over h [B, R + T, D]: the deferred path's R rows replayed
+    into the state, then the T tokens (a chain advancing the state, or a tree from it)."""
+    outs = []
+    if R:
+        out_r, state, window = gdn_replay(p, cfg, h[:, :R], state, window, replay_len)
+        outs.append(out_r)
+    if tree is not None:
+        outs.append(gdn_tree_layer(p, cfg, h[:, R:], state, window, tree, kernels, mesh))
+    else:
+        out_t, state, window = gdn_layer(p, cfg, h[:, R:], state, window, valid)
+        outs.append(out_t)
+    return (jnp.concatenate(outs, axis=1) if R else outs[0]), state, window
+
+
+def gdn_mixer_packed(p: GDNParams, cfg: HybridConfig, h, state, window, R: int, replay_len, tree, kernels: str,
+                     packing: RowPacking, mesh=None):
+    """`gdn_mixer` of a tree (or chain) verify over the packed tokens h [1, N, D]: in_proj and
+    out_proj on the bucket, the conv and recurrence over the rows."""
+    parts = split_projection(cfg, packing.to_rows(linear(h, p.w_in)))  # conv_in, z, b, a [B, R + T, ...]
+    gated = []
+    if R:
+        g_r, state, window = gdn_replay_gated(p, cfg, *[x[:, :R] for x in parts], state, window, replay_len)
+        gated.append(g_r)
+    gated.append(gdn_tree_gated(p, cfg, *[x[:, R:] for x in parts], state, window, tree, kernels, mesh))
+    return linear(packing.to_flat(jnp.concatenate(gated, axis=1)), p.w_out), state, window

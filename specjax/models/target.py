@@ -51,23 +51,27 @@ def chain_ancestors(batch: int, n: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (batch, n, n))
 
 
-def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, parents, ancestors, depth: int):
+def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, parents, ancestors, depth: int,
+                  pack=None):
     """The N nodes (node 0: the pending token) under `mask` [B, N, S] (attention) with the tree's
     parents [B, N], ancestors [B, N, N] and static depth (GDN layers)
-    -> (hidden, features, cache, pending)."""
+    -> (hidden, features, cache, pending). pack: (counts [B], bucket), hybrid targets only: verify
+    each row's first counts[b] nodes packed into one bucket (`hybrid_run`)."""
     if is_hybrid(cfg):  # its attention layers take the dense mask (replayed rows come first)
         return hybrid_run(params, cfg, tokens, positions, cache, start, dense_mask(mask), taps=taps,
-                              tree=(parents, ancestors, depth))
+                          tree=(parents, ancestors, depth), pack=pack)
+    if pack is not None:
+        raise ValueError("packed verification here is for hybrid targets; dense targets pack in serving/flat_forward.py")
     hidden, features, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
     return hidden, features, cache, None
 
 
-def chain_verify(params, cfg, tokens, positions, cache, start, taps):
+def chain_verify(params, cfg, tokens, positions, cache, start, taps, pack=None):
     """`target_verify` for a chain of T = tokens.shape[1] nodes (causal mask)."""
     B, T = tokens.shape
     parents = jnp.broadcast_to(jnp.arange(-1, T - 1, dtype=jnp.int32), (B, T))
     return target_verify(params, cfg, tokens, positions, cache, start, taps, None, parents,
-                         chain_ancestors(B, T), T - 1)
+                         chain_ancestors(B, T), T - 1, pack)
 
 
 def move_kv(k: list, v: list, path: jax.Array, start: jax.Array) -> tuple[list, list]:

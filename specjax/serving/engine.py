@@ -74,9 +74,9 @@ class ServingEngine:
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
                  mesh=None, shard_drafter: bool = False):
-        if is_hybrid(cfg) and (options.packed or options.attention != "xla" or mesh is not None):
-            raise NotImplementedError("hybrid targets in the serving engine: the padded layout with XLA's "
-                                      "attention only (no packing, paged attention kernel or mesh yet: "
+        if is_hybrid(cfg) and (options.attention != "xla" or options.two_level_tokens):
+            raise NotImplementedError("hybrid targets in the serving engine: XLA's attention over the views "
+                                      "only (no paged attention kernel or two_level_tokens yet: "
                                       "docs/design/serving_hybrid.md)")
         if is_hybrid(cfg) and forcing and drafter is None:
             raise NotImplementedError("token forcing of plain AR on a hybrid target in the serving engine")

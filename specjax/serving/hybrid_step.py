@@ -5,9 +5,9 @@ Each slot keeps its GDN states, conv windows and deferred accepted path in `Serv
 every slot's pages into a dense view, runs the decoder's own chain or tree step over the slots
 (`decoding.chain.chain_step`, `decoding.tree.tree_step`: replay of the deferred path, verify,
 accept, commit), and scatters the views back. The numerics are the decoder's, so each request's
-tokens are what `engine.Decoder` gives it. The padded layout only (no packing) and XLA's
-attention over the views; the budget and two-level verification pass through to the decoder's
-steps (`num_drafts`, `two_level_k1`; `decoding/two_level.py`).
+tokens are what `engine.Decoder` gives it. XLA's attention over the views; the budget, packing
+and two-level verification pass through to the decoder's steps (`num_drafts`, `packed_bucket`,
+`two_level_k1`; packing: `models/row_packing.py`, two levels: `decoding/two_level.py`).
 """
 
 from __future__ import annotations
@@ -93,9 +93,12 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
         if opts.budget is not None:
             n_drafts = admitted_drafts(jnp.broadcast_to(s.accept_rate[:, None], (B, n)), active, opts.budget)
         step = chain_step if opts.tree is None else functools.partial(tree_step, spec=opts.tree)
+        # packed: each slot's pending token and admitted drafts (and its deferred path) only
+        bucket = B + opts.draft_budget(drafter.k, B) if opts.packed else None
         hcache, dstate, seqs, stats, forced = step(params, cfg, drafter, gen=gen, cache=hcache, dstate=st.dstate,
                                                    seqs=seqs, stats=stats, key=sub, forced=forced,
-                                                   num_drafts=n_drafts, two_level_k1=opts.two_level_k1)
+                                                   num_drafts=n_drafts, two_level_k1=opts.two_level_k1,
+                                                   packed_bucket=bucket)
     # the slot's own max_new (the decoder's rule is one max_new_tokens for the batch)
     over = active & (seqs.length - seqs.prompt_len >= s.max_new)
     seqs = dataclasses.replace(seqs, done=seqs.done | over)
