@@ -69,9 +69,9 @@ def test_hybrid_mechanisms_not_built_say_so(hybrid):
 
 @pytest.mark.parametrize("tree", [None, TreeSpec("topk", 6, 4)])
 def test_hybrid_two_level_gives_the_one_level_step(tree):
-    """Two-level verification on a hybrid target (level 2 re-runs level 1's rows: the deferred GDN
-    path makes them part of any forward) serves exactly the one-level tokens and acceptance, and
-    level 2 ran: the one-level engine committed more than k1 + 1 tokens in some step."""
+    """Two-level verification on a hybrid target (level 2 over the later drafts only, on level 1's
+    K/V and GDN inputs) serves exactly the one-level tokens and acceptance, and level 2 ran: the
+    one-level engine committed more than k1 + 1 tokens in some step."""
     import jax
     from specjax.models.hybrid import init_random_hybrid_params
     from test_hybrid_decoding import hybrid_config, repetitive_prompts

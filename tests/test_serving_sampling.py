@@ -55,8 +55,8 @@ def test_served_tokens_follow_target(target, case):
 @pytest.mark.parametrize("tree", [None, "topk"])
 def test_served_hybrid_tokens_follow_target(tree):
     """A hybrid target (GDN + attention) in the serving engine with the budget, packing and
-    two-level verification (level 2 re-runs level 1's rows; chains and top-k trees of an n-gram
-    drafter)."""
+    two-level verification (level 2 on level 1's K/V and GDN inputs; chains and top-k trees of
+    an n-gram drafter)."""
     from specjax.drafters.ngram import NgramDrafter
     cfg, params = hybrid_target()
     sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]

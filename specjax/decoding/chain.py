@@ -19,7 +19,8 @@ from specjax.decoding.two_level import verify_two_level
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, read_rows
 from specjax.models.params import ModelParams
-from specjax.models.target import chain_path, chain_verify, target_commit, target_logits, with_replay_width
+from specjax.models.target import (chain_path, chain_verify, is_hybrid, target_commit, target_logits,
+                                   with_replay_width)
 from specjax.sampling import probabilities, top2_margin
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
 
@@ -78,10 +79,10 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
                packed_bucket: int | None = None):
     """One draft -> verify -> accept -> commit round. num_drafts [B] (a serving budget): only the
     first num_drafts[b] drafts may be accepted. packed_bucket (hybrid targets): verify only those
-    drafts, packed into a flat bucket of at most this many tokens (`packed_counts`). two_level_k1: verify pending + k1 drafts first, and
-    all k + 1 tokens again only where the k1 passed and some row did (the serving engine's
-    two-level switch for hybrid targets, whose deferred GDN paths make level 1's rows part of any
-    later forward: level 2 re-runs them rather than reusing their K/V)."""
+    drafts, packed into a flat bucket of at most this many tokens (`packed_counts`).
+    two_level_k1 (hybrid targets; the serving engine's two-level switch): verify pending + k1
+    drafts first, and the later drafts only where the k1 passed and some row did, on level 1's
+    cache and GDN inputs (`decoding/two_level.py`)."""
     key_d, key_v = jax.random.split(key)
     draft, draft_probs, dstate = drafter.propose(dstate, seqs, key_d, gen.sampling)
     k = draft.shape[1]
@@ -89,17 +90,23 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     tokens = jnp.concatenate([seqs.pending()[:, None], draft], axis=1)  # [B, k + 1]
     taps = getattr(drafter, "taps", ())  # block drafters condition on target hidden states
 
-    def verify(width, cache, rows=None):
-        positions = pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        pack = packed_counts(seqs, k if num_drafts is None else num_drafts, width, rows, packed_bucket)
-        hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, :width], positions, cache, pos, taps,
-                                                        pack)
+    reach = k if num_drafts is None else num_drafts
+
+    def verify(first, width, cache, rows=None, prefix=None):  # tokens first .. width - 1
+        start = pos + first
+        positions = start[:, None] + jnp.arange(width - first, dtype=jnp.int32)[None, :]
+        pack = packed_counts(seqs, reach, first, width, rows, packed_bucket)
+        hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, first:width], positions, cache, start,
+                                                        taps, pack, prefix)
         return target_logits(target, cfg, hidden), features, cache, pending
 
     if two_level_k1 is None:
-        logits, features, cache, pending = verify(k + 1, cache)  # logits [B, k + 1, V]
+        logits, features, cache, pending = verify(0, k + 1, cache)  # logits [B, k + 1, V]
     else:
         k1 = two_level_k1
+        if not is_hybrid(cfg):
+            raise ValueError("two-level verification in chain_step is for hybrid targets (the serving engine's "
+                             "dense steps verify two levels themselves)")
 
         def promoted_of(logits1):
             # level 2 where all k1 drafts pass the tests the full rule runs (the same uniforms:
@@ -109,9 +116,10 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
                 passed = draft[:, :k1] == jnp.argmax(logits1[:, :k1], axis=-1)
             else:
                 passed = acceptance_tests(draft, draft_probs, probabilities(logits1, gen.sampling), key_v)[:, :k1]
-            reach = k if num_drafts is None else num_drafts
             return ~seqs.done & (reach > k1) & (leading_true(passed) == k1)
-        logits, features, cache, pending = verify_two_level(verify, cache, k1 + 1, k + 1, promoted_of)
+        logits, features, cache, pending = verify_two_level(
+            lambda c: verify(0, k1 + 1, c), lambda c, p, rows: verify(k1 + 1, k + 1, c, rows, p),
+            cache, k1 + 1, k + 1, promoted_of)
     if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
         dstate = drafter.observe(dstate, features, pos)
     limit = () if num_drafts is None else (num_drafts,)  # the plain rule's own call without a budget
@@ -127,15 +135,16 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
     return cache, dstate, seqs, stats, forced
 
 
-def packed_counts(seqs: Sequences, reach, width: int, rows, bucket: int | None):
-    """(counts [B], bucket) for a packed verify of `width` tokens a row, or None (not packed):
-    each unfinished row (of `rows`, if given) takes its pending token and `reach` [B] drafts (or
-    nodes), the others nothing. bucket bounds sum(counts): the caller's B + draft budget."""
+def packed_counts(seqs: Sequences, reach, first: int, width: int, rows, bucket: int | None):
+    """(counts [B], bucket) for a packed verify of tokens first .. width - 1 of each row, or None
+    (not packed): each unfinished row (of `rows`, if given) takes those of its pending token and
+    `reach` [B] drafts (or nodes), the others nothing. bucket bounds sum(counts) (the caller's
+    B + draft budget)."""
     if bucket is None:
         return None
     use = ~seqs.done if rows is None else rows & ~seqs.done
-    counts = jnp.where(use, jnp.minimum(jnp.asarray(reach) + 1, width), 0).astype(jnp.int32)
-    return counts, min(seqs.length.shape[0] * width, bucket)
+    counts = jnp.clip(jnp.minimum(jnp.asarray(reach) + 1, width) - first, 0, width - first)
+    return jnp.where(use, counts, 0).astype(jnp.int32), min(seqs.length.shape[0] * (width - first), bucket)
 
 
 def committed_drafts(length_before: jax.Array, seqs: Sequences) -> jax.Array:

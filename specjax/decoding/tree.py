@@ -21,7 +21,7 @@ from specjax.decoding.two_level import verify_two_level
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
-from specjax.models.target import target_commit, target_logits, target_verify, with_replay_width
+from specjax.models.target import is_hybrid, target_commit, target_logits, target_verify, with_replay_width
 from specjax.models.transformer import TreeMask
 from specjax.sampling import SamplingConfig, probabilities, top2_margin
 from specjax.trees.builders import LOGP_FLOOR, TreeSpec, as_tree_spec, build_tree
@@ -82,15 +82,21 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, ge
         tree = tree.first_nodes(num_drafts)
     taps = getattr(drafter, "taps", ())
 
-    def verify(width, cache, rows=None):  # nodes 0 .. width - 1: parents come first, so a subtree
+    N = tree.num_nodes
+    anc = tree.ancestors()
+    depths = tree.depths(anc)
+    reach = N - 1 if num_drafts is None else num_drafts
+
+    def verify(first, width, cache, rows=None, prefix=None):  # nodes first .. width - 1
+        # nodes 0 .. width - 1 form a subtree (parents come first); with a prefix (level 1's
+        # nodes 0 .. first - 1) the later nodes are verified on level 1's cache
         sub = Tree(tree.tokens[:, :width], tree.parents[:, :width], tree.max_depth)
-        anc = sub.ancestors()
-        depths = sub.depths(anc)
-        mask = TreeMask(tree_mask(sub, pos, cache.num_slots, anc), anc, depths, sub.max_depth)
-        reach = tree.num_nodes - 1 if num_drafts is None else num_drafts
-        hidden, features, cache, pending = target_verify(target, cfg, sub.tokens, pos[:, None] + depths, cache,
-                                                         pos, taps, mask, sub.parents, anc, sub.max_depth,
-                                                         packed_counts(seqs, reach, width, rows, packed_bucket))
+        sub_anc = anc[:, :width, :width]
+        mask = TreeMask(tree_mask(sub, pos, cache.num_slots, sub_anc), sub_anc, depths[:, :width], sub.max_depth)
+        hidden, features, cache, pending = target_verify(
+            target, cfg, sub.tokens[:, first:], pos[:, None] + depths[:, first:width], cache, pos + first, taps, mask,
+            sub.parents, sub_anc, sub.max_depth, packed_counts(seqs, reach, first, width, rows, packed_bucket),
+            prefix)
         return target_logits(target, cfg, hidden), features, cache, pending
 
     def walk(logits):
@@ -98,16 +104,19 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, ge
             return greedy_tree_accept(tree, logits)
         return sampled_tree_accept(tree, probabilities(logits, gen.sampling), key)
 
-    N = tree.num_nodes
     if two_level_k1 is None:
-        logits, features, cache, pending = verify(N, cache)  # logits [B, N, V]
+        logits, features, cache, pending = verify(0, N, cache)  # logits [B, N, V]
     else:
         # each node's test reads its parent's logits only, so the walk over level 1's (zeros past
-        # them) is the true walk until it first steps onto a later node: those rows verify all
-        # (docs/design/serving_trees.md); the others have their final result
+        # them) is the true walk until it first steps onto a later node: those rows verify the
+        # rest (docs/design/serving_trees.md); the others have their final result
         k1 = two_level_k1
+        if not is_hybrid(cfg):
+            raise ValueError("two-level verification in tree_step is for hybrid targets (the serving engine's "
+                             "dense steps verify two levels themselves)")
         logits, features, cache, pending = verify_two_level(
-            verify, cache, k1 + 1, N, lambda logits1: ~seqs.done & (walk(logits1)[1][:, -1] > k1))
+            lambda c: verify(0, k1 + 1, c), lambda c, p, rows: verify(k1 + 1, N, c, rows, p), cache, k1 + 1, N,
+            lambda logits1: ~seqs.done & (walk(logits1)[1][:, -1] > k1))
     num_accepted, path, out = walk(logits)
     if taps:  # the accepted path's features, at contiguous positions (the rest is never read)
         dstate = drafter.observe(dstate, jnp.take_along_axis(features, path[..., None], axis=1), pos)

@@ -1,11 +1,14 @@
-"""Two-level verification for steps that cannot reuse level 1's work: hybrid targets, whose
-deferred GDN paths make every forward start from the committed state (docs/design/serving_hybrid.md).
+"""Two-level verification inside the decoder's steps, for hybrid targets in the serving engine
+(docs/design/serving_hybrid.md).
 
 Level 1 verifies the first w1 tokens (a chain's pending + k1 drafts, a tree's first k1 nodes, a
-subtree); rows that level 1 cannot settle (`promoted`) take the full verify of w tokens, the others
-keep level 1's results. The full verify is skipped when no row needs it. Each row's acceptance
-then reads logits equal to the one-level step's where it reads them, so the output is the
-one-level step's (see the callers for why each promotion rule is exact).
+subtree). Rows that level 1 cannot settle (`promoted`) take a second forward over the later
+nodes only, from level 1's cache: the attention layers read level 1's K/V, and the GDN layers
+recompute level 1's nodes' part of the recurrence from their projected inputs (`VerifiedNodes`),
+never running their layers again. The second forward is skipped when no row needs it. Each row's
+acceptance then reads the logits the one-level step computes (to the last bits: the later nodes
+are the same ops on the same inputs), so the output is the one-level step's (see the callers for
+why each promotion rule is exact).
 """
 
 from __future__ import annotations
@@ -14,20 +17,26 @@ import jax
 import jax.numpy as jnp
 
 
-def verify_two_level(verify, cache, w1: int, w: int, promoted_of):
-    """verify(width, cache, rows) -> (logits [B, width, V], features or None, cache, pending or
-    None), rows [B] bool or None (all): the rows whose results will be used (a packed verify runs
-    only those); promoted_of(level-1 logits padded to w with zeros) -> [B] bool. Returns the same
-    four, width w."""
+def verify_two_level(verify_first, verify_later, cache, w1: int, w: int, promoted_of):
+    """verify_first(cache) -> (logits [B, w1, V], features or None, cache, pending);
+    verify_later(cache after level 1, level 1's pending, rows [B] bool) -> the same for tokens
+    w1 .. w - 1 (pending: the whole tree's); promoted_of(level-1 logits padded to w with zeros)
+    -> [B] bool. Returns (logits [B, w, V], features, cache, pending) for width w."""
     def pad(x):
-        return x if x is None else jnp.pad(x, ((0, 0), (0, w - w1)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.pad(x, ((0, 0), (0, w - w1)) + ((0, 0),) * (x.ndim - 2))
 
-    logits1, feats1, cache1, pending1 = verify(w1, cache, None)
-    level1 = (pad(logits1), pad(feats1), cache1, pad(pending1))
+    logits1, feats1, cache1, pending1 = verify_first(cache)
+    level1 = (pad(logits1), None if feats1 is None else pad(feats1), cache1, jax.tree.map(pad, pending1))
     promoted = promoted_of(level1[0])
-    shapes = jax.eval_shape(lambda c: verify(w, c, promoted), cache)
-    full = jax.lax.cond(jnp.any(promoted), lambda c: verify(w, c, promoted),
-                        lambda c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), cache)
+
+    def level2(c):
+        logits2, feats2, cache2, pending = verify_later(c, pending1, promoted)
+        join = lambda a, b: jnp.concatenate([a, b], axis=1)
+        return join(logits1, logits2), None if feats1 is None else join(feats1, feats2), cache2, pending
+
+    shapes = jax.eval_shape(level2, cache1)
+    full = jax.lax.cond(jnp.any(promoted), level2,
+                        lambda c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), cache1)
 
     def pick(a, b):  # every leaf is batch-leading (logits, features, K/V, GDN states, paths)
         return jnp.where(promoted.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)

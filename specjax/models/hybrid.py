@@ -89,6 +89,17 @@ class HybridCache:
         return dataclasses.replace(self, **changes)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifiedNodes:
+    """What a hybrid verify forward leaves behind (`pending`): the nodes' tokens, from which the
+    commit takes the accepted path to defer, and each GDN layer's projected inputs of them
+    (conv_in | b | a), from which a second verify level over later nodes of the same tree
+    recomputes these nodes' part of the recurrence without running their layers again."""
+    tokens: jax.Array  # [B, T] int32
+    inputs: list[jax.Array]  # per GDN layer [B, T, conv_dim + 2 Hv]
+
+
 def init_hybrid_cache(cfg: HybridConfig, batch: int, num_slots: int) -> HybridCache:
     dtype = jnp.dtype(cfg.dtype)
     kv = (batch, num_slots, cfg.num_kv_heads, cfg.head_dim)
@@ -183,14 +194,18 @@ def hybrid_forward(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, p
 
 def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
                cache: HybridCache, start: jax.Array, mask: jax.Array | None = None,
-               valid: jax.Array | None = None, taps: tuple[int, ...] = (), tree=None, pack=None):
+               valid: jax.Array | None = None, taps: tuple[int, ...] = (), tree=None, pack=None,
+               prefix: VerifiedNodes | None = None):
     """`hybrid_forward` with the engine's options -> (hidden, features, cache, pending).
 
     valid [B]: each row's real tokens (the rest, right-padding, never reaches a GDN state).
     taps: layers whose output residual stream is returned, joined along features (block drafters).
     tree: (parents [B, T], ancestors [B, T, T], depth) to verify T tree nodes: GDN layers compute
     every node's output from the state (`hybrid_tree.py`) and do not advance over them; `pending`
-    is then the nodes' tokens, from which `target_commit` takes the accepted path to replay.
+    is then a `VerifiedNodes`, from which `target_commit` takes the accepted path to replay.
+    prefix: the `pending` of a verify of the tree's first nodes on this cache (two-level
+    verification): the T tokens are the tree's later nodes (tree: the whole tree, prefix's nodes
+    first; start: the first later node's slot), and the returned pending covers the whole tree.
 
     A deferred path in the cache (`HybridCache.replay`, R rows) runs first, as rows ahead of the
     T tokens: its K/V are rewritten at their own slots, and each GDN layer advances its state and
@@ -221,8 +236,10 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
     if pack is not None:  # rows with a count of 0 run nothing, their deferred path included
         counts, bucket = pack
         cols = jnp.arange(R + T)[None, :]
-        live = jnp.where(cols < R, cols < cache.replay_len[:, None], cols - R < counts[:, None]) & (counts[:, None] > 0)
-        packing = pack_rows(live, tokens.shape[0] * R + bucket)
+        # after a prefix's verify nothing is deferred (that forward replayed the path): no room for it
+        replayed = cache.replay_len[:, None] if prefix is None else 0
+        live = jnp.where(cols < R, cols < replayed, cols - R < counts[:, None]) & (counts[:, None] > 0)
+        packing = pack_rows(live, (tokens.shape[0] * R if prefix is None else 0) + bucket)
     to_rows = (lambda y: y) if packing is None else packing.to_rows
     to_flat = (lambda y: y) if packing is None else packing.to_flat
     x = params.embed[to_flat(tokens)]  # [B, R + T, D], or the live tokens [1, N, D] packed
@@ -231,7 +248,10 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
                          replay_len=jnp.zeros_like(cache.replay_len))
     attn_index = {layer: n for n, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: n for n, layer in enumerate(cfg.gdn_layers)}
-    tapped = {}
+    tapped, inputs = {}, {}
+
+    def earlier(n):  # the prefix nodes' inputs to GDN layer n
+        return None if prefix is None else prefix.inputs[n]
     for i, p in enumerate(params.layers):
         h = rms_norm(x, p.in_norm, cfg.rms_norm_eps)
         if i in attn_index:
@@ -247,19 +267,23 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
         else:
             n = gdn_index[i]
             if packing is None:
-                out, new.state[n], new.conv[n] = gdn_mixer(p.gdn, cfg, h, new.state[n], new.conv[n], R,
-                                                            cache.replay_len, tree, valid, params.kernels,
-                                                            params.mesh)
+                out, new.state[n], new.conv[n], inputs[n] = gdn_mixer(
+                    p.gdn, cfg, h, new.state[n], new.conv[n], R, cache.replay_len, tree, valid, params.kernels,
+                    params.mesh, earlier(n))
             else:
-                out, new.state[n], new.conv[n] = gdn_mixer_packed(p.gdn, cfg, h, new.state[n], new.conv[n], R,
-                                                                   cache.replay_len, tree, params.kernels, packing,
-                                                                   params.mesh)
+                out, new.state[n], new.conv[n], inputs[n] = gdn_mixer_packed(
+                    p.gdn, cfg, h, new.state[n], new.conv[n], R, cache.replay_len, tree, params.kernels, packing,
+                    params.mesh, earlier(n))
         x = x + out
         x = x + _mlp(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))
         if i in taps:
             tapped[i] = to_rows(x)[:, R:]
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    pending = tokens[:, R:] if tree is not None else None
+    pending = None
+    if tree is not None:
+        pending = VerifiedNodes(tokens[:, R:], [inputs[n] for n in range(len(cfg.gdn_layers))])
+        if prefix is not None:
+            pending = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), prefix, pending)
     return to_rows(rms_norm(x, params.final_norm, cfg.rms_norm_eps))[:, R:], features, new, pending
 
 

@@ -30,18 +30,19 @@ def conv_over_windows(windows: jax.Array, weight: jax.Array, dtype) -> jax.Array
     return jax.nn.silu(acc.astype(dtype))
 
 
-def gdn_tree_layer(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
-                   tree, kernels: str = "xla", mesh=None) -> jax.Array:
-    """h [B, N, D] (normed) over the tree (parents [B, N], ancestors [B, N, N], depth) -> out [B, N, D]."""
-    conv_in, z, b, a = gdn_project(p, cfg, h)
-    return linear(gdn_tree_gated(p, cfg, conv_in, z, b, a, state, window, tree, kernels, mesh), p.w_out)
-
-
 def gdn_tree_gated(p: GDNParams, cfg: HybridConfig, conv_in, z, b, a, state, window, tree, kernels: str = "xla",
-                   mesh=None):
-    """`gdn_tree_layer` from the projection (`gdn_project`'s four parts) to before out_proj
-    -> [B, N, value_dim] (the packed serving forward runs both GEMMs on its flat bucket)."""
+                   mesh=None, prefix=None):
+    """The GDN layer over N tree nodes (parents [B, N], ancestors [B, N, N], depth) from their
+    projection (`gdn_project`'s four parts) to before out_proj -> [B, N, value_dim] (the caller
+    runs out_proj: the packed serving forward runs both GEMMs on its flat bucket).
+    prefix [B, P, conv_dim + 2 Hv]: the inputs (conv_in | b | a) of the tree's first P nodes,
+    verified earlier; the N nodes given are then its later ones and `tree` the whole tree."""
     parents, ancestors, depth = tree
+    N = z.shape[1]
+    if prefix is not None:
+        c, h = cfg.conv_dim, cfg.linear_num_value_heads
+        conv_in, b, a = (jnp.concatenate([x, y], axis=1) for x, y in
+                         zip((prefix[..., :c], prefix[..., c:c + h], prefix[..., c + h:]), (conv_in, b, a)))
     y = conv_over_windows(path_windows(window, conv_in, parents), p.conv_w, conv_in.dtype)
     q, k, v = split_qkv(cfg, y)
     g, beta = gates(p, b, a)
@@ -51,7 +52,7 @@ def gdn_tree_gated(p: GDNParams, cfg: HybridConfig, conv_in, z, b, a, state, win
     else:
         from specjax.sharding.tp_hybrid import tree_gdn_kernel  # split by value heads under a mesh
         core = tree_gdn_kernel(state, q, k, v, g, beta, ancestors, depth, kernels == "interpret", mesh)
-    return gated_norm(p, cfg, core, z)
+    return gated_norm(p, cfg, core[:, -N:], z)
 
 
 def gdn_replay(p: GDNParams, cfg: HybridConfig, h: jax.Array, state: jax.Array, window: jax.Array,
@@ -80,29 +81,36 @@ def gdn_replay_gated(p: GDNParams, cfg: HybridConfig, conv_in, z, b, a, state, w
 
 
 def gdn_mixer(p: GDNParams, cfg: HybridConfig, h, state, window, R: int, replay_len, tree, valid, kernels: str,
-              mesh=None):
+              mesh=None, prefix=None):
     """The GDN layer of `hybrid_run` over h [B, R + T, D]: the deferred path's R rows replayed
-    into the state, then the T tokens (a chain advancing the state, or a tree from it)."""
-    outs = []
+    into the state, then the T tokens (a chain advancing the state, or a tree from it; prefix as
+    `gdn_tree_gated`) -> (out, state, window, the T tokens' inputs (conv_in | b | a) or None)."""
+    outs, inputs = [], None
     if R:
         out_r, state, window = gdn_replay(p, cfg, h[:, :R], state, window, replay_len)
         outs.append(out_r)
     if tree is not None:
-        outs.append(gdn_tree_layer(p, cfg, h[:, R:], state, window, tree, kernels, mesh))
+        conv_in, z, b, a = gdn_project(p, cfg, h[:, R:])
+        outs.append(linear(gdn_tree_gated(p, cfg, conv_in, z, b, a, state, window, tree, kernels, mesh, prefix),
+                           p.w_out))
+        inputs = jnp.concatenate([conv_in, b, a], axis=-1)
     else:
         out_t, state, window = gdn_layer(p, cfg, h[:, R:], state, window, valid)
         outs.append(out_t)
-    return (jnp.concatenate(outs, axis=1) if R else outs[0]), state, window
+    return (jnp.concatenate(outs, axis=1) if R else outs[0]), state, window, inputs
 
 
 def gdn_mixer_packed(p: GDNParams, cfg: HybridConfig, h, state, window, R: int, replay_len, tree, kernels: str,
-                     packing: RowPacking, mesh=None):
+                     packing: RowPacking, mesh=None, prefix=None):
     """`gdn_mixer` of a tree (or chain) verify over the packed tokens h [1, N, D]: in_proj and
     out_proj on the bucket, the conv and recurrence over the rows."""
-    parts = split_projection(cfg, packing.to_rows(linear(h, p.w_in)))  # conv_in, z, b, a [B, R + T, ...]
+    conv_in, z, b, a = split_projection(cfg, packing.to_rows(linear(h, p.w_in)))  # [B, R + T, ...]
     gated = []
     if R:
-        g_r, state, window = gdn_replay_gated(p, cfg, *[x[:, :R] for x in parts], state, window, replay_len)
+        g_r, state, window = gdn_replay_gated(p, cfg, conv_in[:, :R], z[:, :R], b[:, :R], a[:, :R], state, window,
+                                              replay_len)
         gated.append(g_r)
-    gated.append(gdn_tree_gated(p, cfg, *[x[:, R:] for x in parts], state, window, tree, kernels, mesh))
-    return linear(packing.to_flat(jnp.concatenate(gated, axis=1)), p.w_out), state, window
+    conv_in, z, b, a = (x[:, R:] for x in (conv_in, z, b, a))
+    gated.append(gdn_tree_gated(p, cfg, conv_in, z, b, a, state, window, tree, kernels, mesh, prefix))
+    out = linear(packing.to_flat(jnp.concatenate(gated, axis=1)), p.w_out)
+    return out, state, window, jnp.concatenate([conv_in, b, a], axis=-1)

@@ -4,7 +4,7 @@
 - `target_forward`: T tokens in order (prefill, AR steps); `valid` [B] counts each row's real
   tokens (right-padding past it never reaches a recurrent state).
 - `target_verify`: the N nodes of a tree (a chain is a tree) in one forward; a hybrid target's GDN
-  layers do not advance over them, and `pending` is the nodes' tokens.
+  layers do not advance over them, and `pending` holds the nodes' tokens and GDN inputs (`VerifiedNodes`).
 - `target_commit`: after acceptance, the accepted path becomes the committed prefix: dense K/V move
   to contiguous slots (trees only); a hybrid target defers the path (its tokens, no state) to the
   next forward, which replays it into the GDN states first (docs/design/hybrid.md).
@@ -52,26 +52,32 @@ def chain_ancestors(batch: int, n: int) -> jax.Array:
 
 
 def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, parents, ancestors, depth: int,
-                  pack=None):
+                  pack=None, prefix=None):
     """The N nodes (node 0: the pending token) under `mask` [B, N, S] (attention) with the tree's
     parents [B, N], ancestors [B, N, N] and static depth (GDN layers)
     -> (hidden, features, cache, pending). pack: (counts [B], bucket), hybrid targets only: verify
-    each row's first counts[b] nodes packed into one bucket (`hybrid_run`)."""
+    each row's first counts[b] nodes packed into one bucket (`hybrid_run`). prefix: the pending of
+    a verify of the tree's first nodes (hybrid targets only): tokens/positions/start are then the
+    later nodes', mask/parents/ancestors the whole tree's (`hybrid_run`)."""
     if is_hybrid(cfg):  # its attention layers take the dense mask (replayed rows come first)
-        return hybrid_run(params, cfg, tokens, positions, cache, start, dense_mask(mask), taps=taps,
-                          tree=(parents, ancestors, depth), pack=pack)
-    if pack is not None:
+        mask = None if mask is None else dense_mask(mask)[:, -tokens.shape[1]:]
+        return hybrid_run(params, cfg, tokens, positions, cache, start, mask, taps=taps,
+                          tree=(parents, ancestors, depth), pack=pack, prefix=prefix)
+    if pack is not None or prefix is not None:
         raise ValueError("packed verification here is for hybrid targets; dense targets pack in serving/flat_forward.py")
     hidden, features, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
     return hidden, features, cache, None
 
 
-def chain_verify(params, cfg, tokens, positions, cache, start, taps, pack=None):
-    """`target_verify` for a chain of T = tokens.shape[1] nodes (causal mask)."""
+def chain_verify(params, cfg, tokens, positions, cache, start, taps, pack=None, prefix=None):
+    """`target_verify` for a chain of T = tokens.shape[1] nodes (causal mask), or for its later
+    T nodes after a verify of the first ones (`prefix`, hybrid targets; start: the first later
+    node's slot)."""
     B, T = tokens.shape
-    parents = jnp.broadcast_to(jnp.arange(-1, T - 1, dtype=jnp.int32), (B, T))
+    N = T + (0 if prefix is None else prefix.tokens.shape[1])
+    parents = jnp.broadcast_to(jnp.arange(-1, N - 1, dtype=jnp.int32), (B, N))
     return target_verify(params, cfg, tokens, positions, cache, start, taps, None, parents,
-                         chain_ancestors(B, T), T - 1, pack)
+                         chain_ancestors(B, N), N - 1, pack, prefix)
 
 
 def move_kv(k: list, v: list, path: jax.Array, start: jax.Array) -> tuple[list, list]:
@@ -94,7 +100,7 @@ def target_commit(params, cfg, cache, pending, path: jax.Array, num_accepted: ja
         if cache.replay.shape[1] != path.shape[1]:
             raise ValueError(f"the cache defers paths of {cache.replay.shape[1]} tokens, this step's are "
                              f"{path.shape[1]}: call with_replay_width(cfg, cache, {path.shape[1]}) first")
-        return cache.replaced(k=k, v=v, replay=jnp.take_along_axis(pending, path, axis=1).astype(jnp.int32),
+        return cache.replaced(k=k, v=v, replay=jnp.take_along_axis(pending.tokens, path, axis=1).astype(jnp.int32),
                               replay_len=(num_accepted + 1).astype(jnp.int32), replay_start=start.astype(jnp.int32))
     if is_chain:
         return cache
