@@ -47,6 +47,18 @@ def test_hybrid_requests_pass_forcing(hybrid, mode):
     assert_forcing(engine, prompts, reference, 14)
 
 
+def test_hybrid_kernels_with_every_mechanism_pass_forcing(hybrid):
+    """The decoder's attention and tree-GDN kernels (interpret mode) inside the packed two-level
+    tree step with the budget and device-resident steps."""
+    import dataclasses
+    cfg, params, prompts, reference = hybrid
+    opts = ServingOptions(tree=TreeSpec("topk", 5, 3), budget=4, packed=True, two_level_k1=2, steps_per_call=4)
+    engine = ServingEngine(cfg, dataclasses.replace(params, kernels="interpret"),
+                           NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2, slot_len=48, page_size=8,
+                           options=opts, forcing=True)
+    assert_forcing(engine, prompts, reference, 14)
+
+
 def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
     cfg, params, prompts, reference = hybrid
     ngram = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
