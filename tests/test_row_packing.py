@@ -25,7 +25,9 @@ def test_pack_rows_round_trip():
     np.testing.assert_array_equal(np.asarray(flat[0, :n]), np.asarray(x)[live])  # row-major order
     back = np.asarray(p.to_rows(flat))
     np.testing.assert_array_equal(back[live], np.asarray(x)[live])
-    np.testing.assert_array_equal(back[~live], np.broadcast_to(np.asarray(flat[0, 0]), back[~live].shape))
+    for b in range(4):  # padding copies the row's first live token (a row without one: token 0)
+        filler = np.asarray(x)[b][live[b]][0] if live[b].any() else np.asarray(flat[0, 0])
+        np.testing.assert_array_equal(back[b][~live[b]], np.broadcast_to(filler, back[b][~live[b]].shape))
 
 
 @pytest.mark.parametrize("seed", [21, 34])
@@ -79,3 +81,29 @@ def test_packed_hybrid_verify_equals_the_padded_one(seed):
             lo, hi = int(pos[r]) - int(accepted[r]) - 1, int(pos[r]) + int(counts[r])
             np.testing.assert_allclose(np.asarray(a)[r, lo:hi], np.asarray(b)[r, lo:hi], **close)
     assert bool(jnp.all(jnp.isfinite(hid_k)))
+
+
+def test_a_row_gone_nan_stays_in_its_row():
+    """A slot whose GDN state went NaN sits first in the bucket; the other slot's live rows are
+    unchanged: padding columns copy their own row's values, never another row's."""
+    from specjax.decoding.sequences import GenerationConfig, prefill
+    from specjax.models.hybrid import init_random_hybrid_params
+    from specjax.models.target import chain_verify, with_replay_width
+    from test_hybrid_decoding import hybrid_config
+    cfg = hybrid_config(77)
+    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(77), scale=0.3)
+    rng = np.random.default_rng(77)
+    B, W = 2, 4
+    prompts = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, 7)), jnp.int32)
+    cache, seqs, _, _ = prefill(params, cfg, GenerationConfig(max_new_tokens=8), prompts, jnp.array([7, 7]), 32,
+                                jax.random.PRNGKey(0))
+    cache = with_replay_width(params, cfg, cache, W)
+    poisoned = cache.replaced(state=[s.at[0].set(jnp.nan) for s in cache.state])
+    pos = seqs.length - 1
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (B, W)), jnp.int32)
+    span = pos[:, None] + jnp.arange(W)[None]
+    counts = jnp.array([W, 2], jnp.int32)  # row 1 has padding columns
+    run = jax.jit(lambda c: chain_verify(params, cfg, tokens, span, c, pos, (), (counts, B * W))[0])
+    clean, dirty = run(cache), run(poisoned)
+    assert not bool(jnp.all(jnp.isfinite(dirty[0])))
+    np.testing.assert_array_equal(np.asarray(dirty[1, :2]), np.asarray(clean[1, :2]))

@@ -59,6 +59,25 @@ def test_hybrid_kernels_with_every_mechanism_pass_forcing(hybrid):
     assert_forcing(engine, prompts, reference, 14)
 
 
+@pytest.mark.parametrize("tree", [None, TreeSpec("topk", 5, 3)])
+def test_hybrid_failing_request_fails_alone_when_packed(hybrid, tree):
+    """A poisoned request (NaN embedding row) in slot 0, whose tokens come first in the packed
+    bucket, fails; the request beside it still equals AR (the bucket's padding never carries one
+    slot's values into another's GDN tree or attention)."""
+    import dataclasses
+    cfg, params, prompts, reference = hybrid
+    poison = cfg.vocab_size - 1
+    bad_params = dataclasses.replace(params, embed=params.embed.at[poison].set(float("nan")))
+    opts = ServingOptions(tree=tree, budget=3, packed=True, two_level_k1=1, steps_per_call=4)
+    engine = ServingEngine(cfg, bad_params, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
+                           slot_len=48, page_size=8, options=opts)
+    good = [p for p in range(len(prompts)) if poison not in prompts[p]][0]
+    bad, ok = engine.submit([1, 2, poison, 3], 14), engine.submit(prompts[good], 14)
+    results = engine.run()
+    assert results[bad].status == "failed"
+    assert results[ok].status == "finished" and results[ok].tokens == reference.tokens[good]
+
+
 def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
     cfg, params, prompts, reference = hybrid
     ngram = NgramDrafter(k=3, vocab_size=cfg.vocab_size)

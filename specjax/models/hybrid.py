@@ -222,9 +222,12 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
     if mask is None:
         mask = causal_slot_mask(start, T, S)
     slots = kv_end = None
+    replay_len = cache.replay_len
+    if pack is not None:  # rows with a count of 0 run nothing, their deferred path included
+        replay_len = jnp.where(pack[0] > 0, replay_len, 0)
     if R:
         r_slots = cache.replay_start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # [B, R]
-        r_live = jnp.arange(R)[None, :] < cache.replay_len[:, None]
+        r_live = jnp.arange(R)[None, :] < replay_len[:, None]
         r_mask = jnp.arange(S)[None, None, :] <= r_slots[:, :, None]  # causal; the path precedes start
         slots = jnp.concatenate([jnp.where(r_live, r_slots, S),  # S: the row writes nothing
                                  start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]], axis=1)
@@ -233,11 +236,11 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
         mask = jnp.concatenate([r_mask, mask], axis=1)
         kv_end = start + T
     packing = None
-    if pack is not None:  # rows with a count of 0 run nothing, their deferred path included
+    if pack is not None:
         counts, bucket = pack
         cols = jnp.arange(R + T)[None, :]
         # after a prefix's verify nothing is deferred (that forward replayed the path): no room for it
-        replayed = cache.replay_len[:, None] if prefix is None else 0
+        replayed = replay_len[:, None] if prefix is None else 0
         live = jnp.where(cols < R, cols < replayed, cols - R < counts[:, None]) & (counts[:, None] > 0)
         packing = pack_rows(live, (tokens.shape[0] * R if prefix is None else 0) + bucket)
     to_rows = (lambda y: y) if packing is None else packing.to_rows
@@ -268,11 +271,11 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
             n = gdn_index[i]
             if packing is None:
                 out, new.state[n], new.conv[n], inputs[n] = gdn_mixer(
-                    p.gdn, cfg, h, new.state[n], new.conv[n], R, cache.replay_len, tree, valid, params.kernels,
+                    p.gdn, cfg, h, new.state[n], new.conv[n], R, replay_len, tree, valid, params.kernels,
                     params.mesh, earlier(n))
             else:
                 out, new.state[n], new.conv[n], inputs[n] = gdn_mixer_packed(
-                    p.gdn, cfg, h, new.state[n], new.conv[n], R, cache.replay_len, tree, params.kernels, packing,
+                    p.gdn, cfg, h, new.state[n], new.conv[n], R, replay_len, tree, params.kernels, packing,
                     params.mesh, earlier(n))
         x = x + out
         x = x + _mlp(p, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps))

@@ -20,16 +20,17 @@ import jax.numpy as jnp
 class RowPacking:
     row: jax.Array  # [N] each flat token's row (tokens past the live ones: row 0)
     col: jax.Array  # [N] its column
-    unpack: jax.Array  # [B, C] flat index of (row, column); 0 where (row, column) is not live
+    unpack: jax.Array  # [B, C] flat index of (row, column); where not live, the row's first live token's
 
     def to_flat(self, x: jax.Array) -> jax.Array:
         """x [B, C, ...] -> [1, N, ...] (the bucket's spare tokens copy row 0's column 0)."""
         return x[self.row, self.col][None]
 
     def to_rows(self, x: jax.Array) -> jax.Array:
-        """x [1, N, ...] -> [B, C, ...]; columns that are not live copy flat token 0, a real
-        token's values, so they stay finite (a zero vector would normalize to NaN in the GDN
-        layers, and NaN times a zero mask weight is still NaN)."""
+        """x [1, N, ...] -> [B, C, ...]; columns that are not live copy their own row's first live
+        token (rows without one: flat token 0; nothing of theirs is kept). Padding must hold real
+        values of its own row: a zero vector normalizes to NaN in the GDN layers, another row's
+        token may be NaN (a failing request), and NaN times a zero mask weight is still NaN."""
         return x[0][self.unpack]
 
 
@@ -43,5 +44,8 @@ def pack_rows(live: jax.Array, bucket: int) -> RowPacking:
     cells = jnp.arange(B * C, dtype=jnp.int32)
     row = jnp.zeros(bucket, jnp.int32).at[where].set(cells // C, mode="drop")
     col = jnp.zeros(bucket, jnp.int32).at[where].set(cells % C, mode="drop")
-    unpack = jnp.where(live, index.reshape(B, C), 0)
+    index = index.reshape(B, C)
+    first = jnp.min(jnp.where(live, index, jnp.iinfo(jnp.int32).max), axis=1)  # [B]
+    first = jnp.where(jnp.any(live, axis=1), first, 0)
+    unpack = jnp.where(live, index, first[:, None])
     return RowPacking(row=row, col=col, unpack=unpack)
