@@ -55,6 +55,8 @@ def _block_index(i, m: int, d: int, rows: int, dp: int):
         return pl.ds(pl.multiple_of(i * rows, rows), rows), slice(None), None
     r = jnp.minimum(i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 0), m - 1)
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
+    if dp == d:  # only rows clamped: columns stay a plain iota, so each row's load stays contiguous
+        return r, col, None
     return r, jnp.minimum(col, d - 1), col < d
 
 

@@ -65,3 +65,16 @@ def test_one_row_is_normed_in_place_with_no_pad_or_slice():
     outer = jaxpr.split("pallas_call")[0]  # the ops before the kernel
     assert "pad[" not in outer and "slice[" not in jaxpr.split("name=rms_norm")[-1], jaxpr[:2000]
     assert "rms_norm" in hlo
+
+
+def test_rows_clamped_at_a_power_of_two_width():
+    """A power-of-two width with a row count the block does not divide (an AR step's 1 row of
+    4096 under 2-row blocks): rows past the array are clamped but columns are not; every row
+    count gives the same bits."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(0, 3, (7, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(1, 0.1, (128,)), jnp.bfloat16)
+    cfg = NormConfig(block_rows=4)
+    full = f32(rms_norm(x, w, 1e-6, False, cfg, interpret=True))
+    for m in (1, 2, 3, 5, 6):
+        np.testing.assert_array_equal(f32(rms_norm(x[:m], w, 1e-6, False, cfg, interpret=True)), full[:m])
