@@ -4,7 +4,8 @@
 - `target_forward`: T tokens in order (prefill, AR steps); `valid` [B] counts each row's real
   tokens (right-padding past it never reaches a recurrent state).
 - `target_verify`: the N nodes of a tree (a chain is a tree) in one forward; a hybrid target's GDN
-  layers do not advance over them, and `pending` holds the nodes' tokens and GDN inputs (`VerifiedNodes`).
+  layers do not advance over them, and `pending` holds the nodes' tokens and GDN inputs
+  (`VerifiedNodes`).
 - `target_commit`: after acceptance, the accepted path becomes the committed prefix: dense K/V move
   to contiguous slots (trees only); a hybrid target defers the path (its tokens, no state) to the
   next forward, which replays it into the GDN states first (docs/design/hybrid.md).
@@ -64,7 +65,8 @@ def target_verify(params, cfg, tokens, positions, cache, start, taps, mask, pare
         return hybrid_run(params, cfg, tokens, positions, cache, start, mask, taps=taps,
                           tree=(parents, ancestors, depth), pack=pack, prefix=prefix)
     if pack is not None or prefix is not None:
-        raise ValueError("packed verification here is for hybrid targets; dense targets pack in serving/flat_forward.py")
+        raise ValueError("packed and two-level verification here are for hybrid targets; dense targets "
+                         "pack in serving/flat_forward.py")
     hidden, features, cache = forward_with_taps(params, cfg, tokens, positions, cache, start, taps, mask)
     return hidden, features, cache, None
 
