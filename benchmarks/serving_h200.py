@@ -121,7 +121,7 @@ def configs(batch: int, budget: int, ladder: bool, only: set[str] | None = None
     return out
 
 
-def run_engine(cfg, params, drafter, prompts, max_new, batch, opts, slot_len, width):
+def run_engine(cfg, params, drafter, prompts, max_new, batch, opts, slot_len, width, profile=False):
     engine = ServingEngine(cfg, params, drafter, num_slots=batch, slot_len=slot_len, page_size=16,
                            queue_len=batch, max_waiting=len(prompts) + 8, prompt_width=width, options=opts)
     for p in prompts[:batch]:  # warm-up: compiles this engine's call
@@ -134,7 +134,21 @@ def run_engine(cfg, params, drafter, prompts, max_new, batch, opts, slot_len, wi
     seconds = time.perf_counter() - t
     res = [results[r] for r in rids]
     rounds = sum(r.rounds for r in res)
-    return dict(tokens=sum(len(r.tokens) for r in res), seconds=seconds,
+    busy = None
+    if profile:  # the same requests again under the profiler: device kernel time vs wall
+        from specjax.profiling import by_name, device_kernel_events
+
+        def again():
+            for p in prompts:
+                engine.submit(p, max_new)
+            return engine.run()
+        t = time.perf_counter()
+        events = device_kernel_events(again)
+        wall = time.perf_counter() - t
+        names = by_name(events)
+        busy = dict(wall_s=wall, kernel_s=sum(s for _, s in events), kernels=len(events),
+                    top=[(k, c, s) for k, (c, s) in list(names.items())[:25]])
+    return dict(profile=busy, tokens=sum(len(r.tokens) for r in res), seconds=seconds,
                 tokens_per_s=sum(len(r.tokens) for r in res) / seconds,
                 tau=sum(r.committed for r in res) / max(rounds, 1), calls=engine.calls - calls0,
                 steps=engine.steps - steps0, outputs=[r.tokens for r in res])
@@ -149,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="rerun each configuration under the profiler: device kernel time vs wall, top kernels")
     ap.add_argument("--configs", default=None,
                     help="comma-separated names to run (ar, stock, +budget, +packed, +device_loop, all, "
                          "+device_loop+paged_kernel, all+paged_kernel); default: all of them")
@@ -218,7 +234,7 @@ def main(argv=None):
             reqs = prompts[:max(2 * batch, 8)]
             try:
                 r = run_engine(cfg, params, drafter if spec else None, reqs, args.max_new, batch, opts,
-                               slot_len, width)
+                               slot_len, width, profile=args.profile)
             except Exception as e:  # one failing configuration (a kernel that does not compile) is recorded
                 report["runs"][key] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
                 log(f"{key}: FAILED {type(e).__name__}: {str(e)[:300]}")
@@ -231,6 +247,11 @@ def main(argv=None):
             report["runs"][key] = r
             log(f"{key}: {r['tokens_per_s']:.1f} tok/s, tau {r['tau']:.2f}, {r['calls']} calls / "
                 f"{r['steps']} steps, {r['rows_equal_ar']}/{r['rows']} rows equal AR")
+            if r.get("profile"):
+                pr = r["profile"]
+                log(f"{key} profile: wall {pr['wall_s'] * 1e3:.1f} ms, kernels {pr['kernel_s'] * 1e3:.1f} ms "
+                    f"({pr['kernels']} kernels); top: " +
+                    "; ".join(f"{k[:40]} x{c} {t * 1e3:.1f} ms" for k, c, t in pr["top"][:12]))
             (out_dir / f"serving_h200_{part}.json").write_text(json.dumps(report, indent=1))
     rows = []
     for batch in batches:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -37,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pallas_kernels.rms_norm import add_reference  # noqa: E402
 from pallas_kernels.skinny_gemm import prepare_bf16, skinny_gemm  # noqa: E402
 from pallas_kernels.skinny_gemm_lh12 import (natural_order, pack_for_kernel, prepare_lh12,  # noqa: E402
                                              skinny_gemm_lh12)
@@ -228,39 +226,17 @@ def step_variants(names):
     configs = {(s, f): tuned_config(s, f, device=DEVICE)
                for s in STEP_SHAPES
                for f in ("bf16", "lh12")}
-    out, prepared = {}, {}
+    out = {}
     for name in names:
         if name == "xla":
             out[name] = params
-            continue
-        # ours_<format>[_nowide][_unfused]: _nowide drops the tuned wide-step settings (T > 16);
-        # _unfused runs each residual add as its own XLA kernel before the norm (`unfused`)
-        fmt_, nowide = name.split("_")[1], "_nowide" in name
-        if (fmt_, nowide) not in prepared:
-            cfgs = configs if not nowide else {k: dataclasses.replace(c, wide=None) for k, c in configs.items()}
-            prepared[fmt_, nowide], _ = prepare_kernel_params(
-                params, cfg, {g: fmt_ for g in ("attn", "mlp", "head")}, interpret=INTERPRET, configs=cfgs)
-        out[name] = prepared[fmt_, nowide]
+        else:  # ours_<format>[_nowide]: _nowide drops the tuned wide-step settings (T > 16)
+            fmt_ = name.split("_")[1]
+            cfgs = configs if not name.endswith("_nowide") else \
+                {k: dataclasses.replace(c, wide=None) for k, c in configs.items()}
+            out[name], _ = prepare_kernel_params(params, cfg, {g: fmt_ for g in ("attn", "mlp", "head")},
+                                                 interpret=INTERPRET, configs=cfgs)
     return cfg, out
-
-
-@contextlib.contextmanager
-def unfused(active: bool):
-    """Within: the dense forward adds each sublayer's output to the residual in XLA (the split-K
-    sum, the cast and the add: one fusion) and then runs the plain norm kernel, as before
-    `add_rms_norm` (the A/B of that fusion in one run)."""
-    from specjax.models import transformer
-    fused = transformer.add_rms_norm
-
-    def plain(x, delta, weight, eps, impl="xla"):
-        x = x if delta is None else add_reference(x, delta)
-        return x, transformer.rms_norm(x, weight, eps, impl)
-    if active:
-        transformer.add_rms_norm = plain
-    try:
-        yield
-    finally:
-        transformer.add_rms_norm = fused
 
 
 def step_fn(cfg, t: int, reps: int):
@@ -303,40 +279,30 @@ def step_part(names, profile: bool = True, tokens=(1, 16, 64), reps: int = 8) ->
                 row[f"T{t}"] = {"error": "skipped: past --finish-by-s"}
                 continue
             try:
-                with unfused(name.endswith("_unfused")):  # traced (first call) inside
-                    cell = step_cell(cfg, t, reps, params, profile, row, read)
+                run, cache, toks = step_fn(cfg, t, reps)
+                wall = timed(run, params, cache, toks, repeats=3) / reps
+                cell = {"wall_ms": wall * 1e3}
+                if profile:
+                    evs = by_name(device_kernel_events(run, params, cache, toks))
+                    kinds: dict = collections.defaultdict(float)
+                    for kname, (_, s) in evs.items():
+                        kinds[kind_of(kname)] += s / reps * 1e3
+                    busy = sum(kinds.values())
+                    cell.update(kernels_ms=busy, gaps_ms=wall * 1e3 - busy,
+                                kernels_per_step=sum(v[0] for v in evs.values()) / reps,
+                                by_kind_ms=dict(kinds),
+                                top=[(k, c / reps, s / reps * 1e6) for k, (c, s) in list(evs.items())[:12]],
+                                kernels=[(k, c / reps, s / reps * 1e6) for k, (c, s) in evs.items()])
+                    if read:
+                        cell["gemm_floor_ms"] = row["weight_bytes"] / (read * 1e12) * 1e3
+                row[f"T{t}"] = cell
             except Exception as e:  # noqa: BLE001
                 row[f"T{t}"] = {"error": repr(e)[:400]}
-            else:
-                row[f"T{t}"] = cell
             log("step", name, t, row[f"T{t}"])
         out[name] = row
         RESULTS.setdefault("step", {}).update({name: row})
         save()
     return out
-
-
-def step_cell(cfg, t: int, reps: int, params, profile: bool, row: dict, read) -> dict:
-    """One step variant at t rows: wall ms per step, and with `profile` its kernels by kind."""
-    run, cache, toks = step_fn(cfg, t, reps)
-    wall = timed(run, params, cache, toks, repeats=3) / reps
-    # the tokens after `reps` dependent steps: variants of one format must agree (the fused
-    # add + norm is bitwise the unfused one)
-    cell = {"wall_ms": wall * 1e3, "tokens": np.asarray(run(params, cache, toks)).ravel().tolist()}
-    if profile:
-        evs = by_name(device_kernel_events(run, params, cache, toks))
-        kinds: dict = collections.defaultdict(float)
-        for kname, (_, s) in evs.items():
-            kinds[kind_of(kname)] += s / reps * 1e3
-        busy = sum(kinds.values())
-        cell.update(kernels_ms=busy, gaps_ms=wall * 1e3 - busy,
-                    kernels_per_step=sum(v[0] for v in evs.values()) / reps,
-                    by_kind_ms=dict(kinds),
-                    top=[(k, c / reps, s / reps * 1e6) for k, (c, s) in list(evs.items())[:12]],
-                    kernels=[(k, c / reps, s / reps * 1e6) for k, (c, s) in evs.items()])
-        if read:
-            cell["gemm_floor_ms"] = row["weight_bytes"] / (read * 1e12) * 1e3
-    return cell
 
 
 def flags_part() -> dict:
@@ -383,14 +349,6 @@ def table():
                 kinds = " ".join(f"{k}={v:.3f}" for k, v in c["by_kind_ms"].items())
                 print(f"{name:>10} T{t:<3} wall {c['wall_ms']:.3f} = {c['kernels_ms']:.3f} + gaps {c['gaps_ms']:.3f}"
                       f" ({c['kernels_per_step']:.0f} kernels) {kinds}")
-    steps = RESULTS.get("step", {})
-    for name in steps:
-        if name.endswith("_unfused") and name[:-len("_unfused")] in steps:
-            for t in STEP_TOKENS:
-                a, b = steps[name].get(f"T{t}", {}), steps[name[:-len("_unfused")]].get(f"T{t}", {})
-                if "wall_ms" in a and "wall_ms" in b:
-                    print(f"fused add+norm T{t}: {b['wall_ms']:.3f} vs unfused {a['wall_ms']:.3f} ms "
-                          f"({a['wall_ms'] / b['wall_ms']:.3f}x), tokens equal: {a['tokens'] == b['tokens']}")
     for label, r in RESULTS.get("flags", {}).items():
         walls = {n: v.get("T1", {}).get("wall_ms") for n, v in r.items() if isinstance(v, dict)}
         print(f"flags {label:>18}: T1 wall ms {walls}")

@@ -60,8 +60,9 @@ def _block_index(i, m: int, d: int, rows: int, dp: int):
     return r, jnp.minimum(col, d - 1), col < d
 
 
-def _normalize(xf, w_ref, o_ref, r, c, real, *, eps: float, width: int, plus_one: bool):
-    """Rows xf [rows, Dp] (float32) normed into o_ref[r, c]: the one reduction both kernels run."""
+def _kernel(x_ref, w_ref, o_ref, *, eps: float, m: int, width: int, rows: int, dp: int, plus_one: bool):
+    r, c, real = _block_index(pl.program_id(0), m, width, rows, dp)
+    xf = x_ref[r, c].astype(jnp.float32)  # [rows, Dp]
     sq = xf * xf if real is None else jnp.where(real, xf * xf, 0.0)  # zeros past the width, as padding
     mean_sq = jnp.sum(sq, axis=1, keepdims=True) / width  # the real width, not the padded one
     normed = xf * jax.lax.rsqrt(mean_sq + eps)
@@ -72,40 +73,6 @@ def _normalize(xf, w_ref, o_ref, r, c, real, *, eps: float, width: int, plus_one
         o_ref[r, c] = w.astype(o_ref.dtype) * normed.astype(o_ref.dtype)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, eps: float, m: int, width: int, rows: int, dp: int, plus_one: bool):
-    r, c, real = _block_index(pl.program_id(0), m, width, rows, dp)
-    xf = x_ref[r, c].astype(jnp.float32)  # [rows, Dp]
-    _normalize(xf, w_ref, o_ref, r, c, real, eps=eps, width=width, plus_one=plus_one)
-
-
-def _add_kernel(x_ref, p_ref, w_ref, xo_ref, o_ref, *, eps: float, m: int, width: int, rows: int,
-                dp: int, plus_one: bool, splits: int):
-    r, c, real = _block_index(pl.program_id(0), m, width, rows, dp)
-    y = p_ref[0, r, c]
-    for s in range(1, splits):  # in split order, as `skinny_gemm.sum_partials`
-        y = y + p_ref[s, r, c]
-    # what `x + linear(h, w)` computes: the sum cast to x's dtype, then the residual add
-    x_new = (x_ref[r, c].astype(jnp.float32) + y.astype(xo_ref.dtype).astype(jnp.float32)).astype(xo_ref.dtype)
-    xo_ref[r, c] = x_new
-    _normalize(x_new.astype(jnp.float32), w_ref, o_ref, r, c, real, eps=eps, width=width, plus_one=plus_one)
-
-
-def _norm_call(kernel, args, out_dtypes, m: int, d: int, config: NormConfig, interpret: bool, **kw):
-    dp = 1 << (d - 1).bit_length()  # Triton blocks are powers of two
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu  # GPU only
-        params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
-    return pl.pallas_call(
-        functools.partial(kernel, m=m, width=d, rows=config.block_rows, dp=dp, **kw),
-        out_shape=[jax.ShapeDtypeStruct((m, d), t) for t in out_dtypes],
-        grid=(-(-m // config.block_rows),),
-        compiler_params=params,
-        interpret=interpret,
-        name="rms_norm",
-    )(*args)
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "config", "interpret"))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
              config: NormConfig | None = None, interpret: bool = False) -> jax.Array:
@@ -114,38 +81,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False
     lead, D = x.shape[:-1], x.shape[-1]
     config = config or default_norm_config(D)
     rows = x.reshape(-1, D)
-    (out,) = _norm_call(_kernel, (rows, weight.astype(x.dtype)), (x.dtype,), rows.shape[0], D, config,
-                        interpret, eps=eps, plus_one=plus_one)
-    return out.reshape(*lead, D)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "plus_one", "config", "interpret"))
-def add_rms_norm(x: jax.Array, partials: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
-                 config: NormConfig | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The residual add before a norm and the norm, in one kernel: x [..., D], partials
-    [S, ..., D] float32 (a skinny GEMM's split-K partials, summed here in split order) ->
-    (x + the partials' sum cast to x's dtype, its RMSNorm), both in x's dtype. The add is
-    exactly `add_reference`'s; the norm rounds as `rms_norm` under the same config (rows
-    independent of the row count). Saves the add's own kernel (and its trip through HBM)."""
-    lead, D = x.shape[:-1], x.shape[-1]
-    if partials.shape[1:] != x.shape:
-        raise ValueError(f"add_rms_norm: partials {partials.shape} do not match x {x.shape}")
-    config = config or default_norm_config(D)
-    rows = x.reshape(-1, D)
     M = rows.shape[0]
-    x_new, out = _norm_call(_add_kernel, (rows, partials.astype(jnp.float32).reshape(-1, M, D),
-                                          weight.astype(x.dtype)),
-                            (x.dtype, x.dtype), M, D, config, interpret, eps=eps, plus_one=plus_one,
-                            splits=partials.shape[0])
-    return x_new.reshape(*lead, D), out.reshape(*lead, D)
-
-
-def add_reference(x: jax.Array, partials: jax.Array) -> jax.Array:
-    """x + the partials' sum (in split order) cast to x's dtype: the add `add_rms_norm` fuses."""
-    y = partials[0]
-    for s in range(1, partials.shape[0]):
-        y = y + partials[s]
-    return x + y.astype(x.dtype)
+    Dp = 1 << (D - 1).bit_length()  # Triton blocks are powers of two
+    R = config.block_rows
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu  # GPU only
+        params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, m=M, width=D, rows=R, dp=Dp, plus_one=plus_one),
+        out_shape=jax.ShapeDtypeStruct((M, D), x.dtype),
+        grid=(-(-M // R),),
+        compiler_params=params,
+        interpret=interpret,
+        name="rms_norm",
+    )(rows, weight.astype(x.dtype))
+    return out.reshape(*lead, D)
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:

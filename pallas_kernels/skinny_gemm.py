@@ -281,16 +281,14 @@ def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, t: int):
 
 
 @jax.jit
-def skinny_gemm_partials(x: jax.Array, gw: GemmWeight) -> jax.Array:
-    """x [T, K] @ W as the kernel's float32 split-K partials [split_k, T, Np] (columns past N are
-    padding): `skinny_gemm` adds them in split order; a consumer may add them itself, fused into
-    its own kernel (pallas_kernels/rms_norm.add_rms_norm)."""
+def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
+    """x [T, K] (any float dtype, used as bf16) @ W -> float32 [T, N]."""
     g = Geometry.of(gw.shape, gw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm: x is {list(x.shape)}, weight is {list(gw.shape)}")
     t = x.shape[0]
     cfg = gw.config.for_rows(t)
-    return pl.pallas_call(
+    partials = pl.pallas_call(
         functools.partial(_bf16_kernel, g=g, cfg=cfg, t=t),
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, g.npad), jnp.float32),
         grid=(g.npad // cfg.block_n, cfg.split_k),
@@ -298,13 +296,8 @@ def skinny_gemm_partials(x: jax.Array, gw: GemmWeight) -> jax.Array:
         interpret=gw.interpret,
         name="skinny_gemm_bf16",
     )(as_operand(x, g), gw.w)
-
-
-@jax.jit
-def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
-    """x [T, K] (any float dtype, used as bf16) @ W -> float32 [T, N]."""
-    y = sum_partials(skinny_gemm_partials(x, gw))
-    return y if y.shape[1] == gw.shape[1] else y[:, :gw.shape[1]]
+    y = sum_partials(partials)
+    return y if g.npad == g.n else y[:, :g.n]
 
 
 def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:

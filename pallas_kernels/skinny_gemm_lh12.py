@@ -267,8 +267,10 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         store_accs(o_ref, accs, g, cfg, t)
 
 
-def _lh12_partials(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
-    """The kernel's float32 split-K partials [split_k, T, 8 * Mp], in the planes' column order."""
+@jax.jit
+def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
+    """x [T, K] (used as bf16) @ decode(W) -> float32 [T, N], bitwise equal to `skinny_gemm` on the
+    decoded weight under a config with the same `numerics`."""
     g = Geometry.of(lw.shape, lw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
@@ -276,7 +278,7 @@ def _lh12_partials(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     cfg = lw.config.for_rows(t)
     kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
                                t=t, interpret=lw.interpret)
-    return pl.pallas_call(
+    partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, STRIPES * g.mp), jnp.float32),
         grid=(g.mp // cfg.block_m, cfg.split_k),
@@ -284,32 +286,6 @@ def _lh12_partials(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
     )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
-
-
-def has_plain_partials(lw: Lh12GemmWeight) -> bool:
-    """The partials are W's own columns, unpadded (natural order, N a multiple of block_n)."""
-    g = Geometry.of(lw.shape, lw.config)
-    return lw.natural and STRIPES * g.mp == g.n
-
-
-@jax.jit
-def skinny_gemm_lh12_partials(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
-    """x [T, K] @ decode(W) as float32 split-K partials [split_k, T, N], each bitwise the bf16
-    kernel's (`skinny_gemm_partials`) on the same weights; needs `has_plain_partials`."""
-    if not has_plain_partials(lw):
-        raise ValueError(f"skinny_gemm_lh12_partials: the planes of {list(lw.shape)} are not in "
-                         "natural order with whole blocks; use skinny_gemm_lh12")
-    return _lh12_partials(x, lw)
-
-
-@jax.jit
-def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
-    """x [T, K] (used as bf16) @ decode(W) -> float32 [T, N], bitwise equal to `skinny_gemm` on the
-    decoded weight under a config with the same `numerics`."""
-    g = Geometry.of(lw.shape, lw.config)
-    partials = _lh12_partials(x, lw)
-    cfg = lw.config.for_rows(x.shape[0])
-    t = x.shape[0]
     if lw.natural:  # stored order is W's own column order
         y = sum_partials(partials)
         return y if STRIPES * g.mp == g.n else y[:, :g.n]

@@ -84,15 +84,6 @@ def test_rms_norm_lowers_for_cuda(plus_one, width):
     assert "rms_norm" in module and "xla.gpu.triton" in module
 
 
-@pytest.mark.parametrize("rows,width,splits", [(1, 4096, 16), (5, 576, 3), (64, 4096, 4)])
-def test_add_rms_norm_lowers_for_cuda(rows, width, splits):
-    from pallas_kernels.rms_norm import add_rms_norm
-    f = lambda x, p, w: add_rms_norm(x, p, w, 1e-5)
-    module = lower_for_cuda(f, jnp.ones((1, rows, width), jnp.bfloat16),
-                            jnp.ones((splits, 1, rows, width), jnp.float32), jnp.ones((width,), jnp.bfloat16))
-    assert "rms_norm" in module and "xla.gpu.triton" in module
-
-
 @pytest.mark.parametrize("n,depth", [(1, 0), (17, 5), (33, 32)])
 def test_tree_gdn_lowers_for_cuda(n, depth):
     from pallas_kernels.tree_gdn import TreeGDNConfig, tree_gdn

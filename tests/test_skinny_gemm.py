@@ -218,32 +218,3 @@ def test_wide_settings_must_keep_numerics_and_layout():
         prepare_lh12(encode(np.zeros((64, 512), np.uint16)), narrow, interpret=True)
     # a cache round trip: the nested config comes back from its dict
     assert GemmConfig(**dataclasses.asdict(narrow)) == narrow
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_linear_partials_sum_to_linear_bitwise(seed):
-    """`linear_partials` hands a consumer the split-K partials (bf16 and natural-order 12-bit
-    weights, in slabs past 64 rows); summed in order and cast they are `linear` bit for bit, and
-    weights without plain partials fall back to one partial."""
-    from specjax.models.linear import linear, linear_partials
-    rng = np.random.default_rng(70 + seed)
-    k, n = 64 * int(rng.integers(1, 4)), 128 * int(rng.integers(1, 4))
-    w = rng.normal(0, 0.02, (k, n)).astype(ml_dtypes.bfloat16).view(np.uint16)
-    w[rng.random(w.shape) < 0.01] = 0x4780
-    cfg = GemmConfig(block_n=128, block_k=32, split_k=int(rng.integers(2, 4)), escape_lookup="masked",
-                     one_dot=True)
-    packed, permuted = pack_for_kernel(jnp.asarray(w), cfg)
-    weights = {"bf16": prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True),
-               "lh12": prepare_lh12(packed, cfg, interpret=True, permuted=permuted),
-               "lh12 stripe order": prepare_lh12(encode(w), dataclasses.replace(cfg, one_dot=False),
-                                                 interpret=True)}
-    for rows in (1, 5, 70):
-        x = jnp.asarray(rng.normal(0, 1, (1, rows, k)), jnp.bfloat16)
-        for name, weight in weights.items():
-            p = linear_partials(x, weight)
-            assert p.shape == ((1 if name == "lh12 stripe order" else cfg.split_k), 1, rows, n), name
-            total = p[0]
-            for s in range(1, p.shape[0]):
-                total = total + p[s]
-            np.testing.assert_array_equal(bits(total.astype(jnp.bfloat16).astype(jnp.float32)),
-                                          bits(linear(x, weight).astype(jnp.float32)), err_msg=name)

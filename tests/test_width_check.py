@@ -43,11 +43,8 @@ def test_kernel_path_normalizes_with_the_row_invariant_kernel(monkeypatch):
     cfg, params = model()
     kparams, _ = prepare_kernel_params(params, cfg, interpret=True)
     calls = []
-    for name in ("rms_norm_kernel", "add_rms_norm_kernel"):  # the first norm has no add before it
-        kernel = getattr(transformer, name)
-        monkeypatch.setattr(transformer, name, lambda *a, k=kernel, n=name, **kw: calls.append(n) or k(*a, **kw))
+    kernel = transformer.rms_norm_kernel
+    monkeypatch.setattr(transformer, "rms_norm_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     step_vs_ar(kparams, cfg, width=2, prompt_len=8)
     per_forward = 2 * cfg.num_layers + 1
     assert len(calls) >= per_forward and len(calls) % per_forward == 0
-    # every norm after a residual add runs fused with it: one plain norm per forward
-    assert calls.count("rms_norm_kernel") * per_forward == len(calls)

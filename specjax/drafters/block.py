@@ -14,7 +14,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.rms_norm import add_reference
 from specjax.decoding.sequences import Sequences
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
@@ -105,8 +104,7 @@ class BlockDrafter:
         mask = jnp.broadcast_to(visible, (batch, bsz, cache.num_slots))
         for i, (p, kc, vc) in enumerate(zip(self.params.layers, cache.k, cache.v)):
             mix = None if self.params.conv is None else _two_tap(self.params.conv[i])
-            _, x, delta, _, _ = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, mix)  # block K/V dropped
-            x = add_reference(x, delta)
+            x, _, _ = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, mix)  # block K/V dropped
         hidden = rms_norm(x[:, 1:], self.params.final_norm, cfg.rms_norm_eps)
         return lm_logits(self, hidden)
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.skinny_gemm import GemmWeight, skinny_gemm, skinny_gemm_partials, unprepare_bf16
-from pallas_kernels.skinny_gemm_lh12 import (Lh12GemmWeight, dense_lh12, has_plain_partials, skinny_gemm_lh12,
-                                             skinny_gemm_lh12_partials)
+from pallas_kernels.skinny_gemm import GemmWeight, skinny_gemm, unprepare_bf16
+from pallas_kernels.skinny_gemm_lh12 import Lh12GemmWeight, dense_lh12, skinny_gemm_lh12
 from specjax.sharding.tp_kernels import TPGemmWeight, tp_gemm
 from specjax.sharding.tp_lh12 import TPLh12Weight, dense_tp_lh12, tp_gemm_lh12
 
@@ -44,35 +43,15 @@ def dense(w) -> jax.Array:
     return w
 
 
-def _rows(x: jax.Array) -> tuple[jax.Array, int]:
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    return x.reshape(rows, x.shape[-1]), rows
-
-
-def linear_partials(x: jax.Array, w) -> jax.Array:
-    """`linear` before its last sum and cast: float32 [S, ..., out] whose sum in order, cast to
-    x's dtype, is bitwise `linear(x, w)`. On the kernel path (plain bf16 or natural-order 12-bit
-    weights, up to `SLAB * MAX_SLABS` rows) these are the GEMM's split-K partials, so the sum can
-    run inside the next kernel (`add_rms_norm`); elsewhere S = 1 and the one partial is
-    `linear(x, w)` itself (exact in float32)."""
-    fused = {GemmWeight: skinny_gemm_partials, Lh12GemmWeight: skinny_gemm_lh12_partials}.get(type(w))
-    x2, rows = _rows(x)
-    n = w.shape[1]
-    if fused is None or rows > SLAB * MAX_SLABS or (isinstance(w, Lh12GemmWeight) and not has_plain_partials(w)):
-        return linear(x, w).astype(jnp.float32)[None]
-    p = jnp.concatenate([fused(x2[i:i + SLAB], w) for i in range(0, rows, SLAB)], axis=1)
-    p = p if p.shape[2] == n else p[:, :, :n]
-    return p.reshape(p.shape[0], *x.shape[:-1], n)
-
-
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] @ w -> [..., out] in x's dtype."""
     if not is_kernel_weight(w):
         return x @ w
     lead, k = x.shape[:-1], x.shape[-1]
-    x2, rows = _rows(x)
+    rows = 1
+    for d in lead:
+        rows *= d
+    x2 = x.reshape(rows, k)
     if rows > SLAB * MAX_SLABS:
         y = jnp.dot(x2.astype(jnp.bfloat16), dense(w), preferred_element_type=jnp.float32)
     else:

@@ -15,12 +15,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.tree_attention import tree_attention
-from pallas_kernels.rms_norm import add_reference
-from pallas_kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
 from pallas_kernels.rms_norm import rms_norm as rms_norm_kernel
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_rows
-from specjax.models.linear import is_kernel_weight, linear, linear_partials
+from specjax.models.linear import is_kernel_weight, linear
 from specjax.models.params import LayerParams, ModelParams
 from specjax.models.rope import apply_rope, rope_cos_sin
 from specjax.sharding.tp_attention import bind, head_parallel, splits_heads
@@ -35,20 +33,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, impl: str = "xla") -> 
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
-
-
-def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float,
-                 impl: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """(x + delta, its `rms_norm`): `delta` is a sublayer's output as float32 partials [S, ..., D]
-    (`linear_partials`) not yet added to the residual stream, or None. On the kernel path the
-    split-K sum, the add and the norm are one kernel (pallas_kernels/rms_norm.add_rms_norm); the
-    sum is bitwise `x + linear(...)` on every path."""
-    if delta is None:
-        return x, rms_norm(x, weight, eps, impl)
-    if impl == "xla":
-        x = add_reference(x, delta)
-        return x, rms_norm(x, weight, eps, impl)
-    return add_rms_norm_kernel(x, delta, weight, eps, interpret=impl == "interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -90,9 +74,8 @@ def dense_attention(cfg: ModelConfig, q, k_cache, v_cache, mask):
 
 
 def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, start, mask, mix=None,
-           attention: str = "xla", norm: str = "xla", mesh=None, delta=None):
-    """One decoder layer over a dense cache (`layer_with`, whose residual convention it keeps:
-    returns x_in, x, delta and the new caches). `mix(h, sublayer)` (block drafters) transforms the
+           attention: str = "xla", norm: str = "xla", mesh=None):
+    """One decoder layer over a dense cache. `mix(h, sublayer)` (block drafters) transforms the
     normed input of the attention (sublayer 0) and MLP (1) sublayers, e.g. DFlash2's in-block
     convolution. `attention`: "xla", "pallas" or "interpret" (the fused kernel,
     pallas_kernels/decode_attention.py, or tree_attention.py under a `TreeMask`)."""
@@ -113,23 +96,17 @@ def _layer(cfg: ModelConfig, p: LayerParams, x, cos, sin, k_cache, v_cache, star
             return head_parallel(kernel, mesh, q, kc, vc, *args), (kc, vc)
         return kernel(q, kc, vc, *args), (kc, vc)
 
-    x_in, x, delta, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix, norm, delta)
-    return x_in, x, delta, k_cache, v_cache
+    x, (k_cache, v_cache) = layer_with(cfg, p, x, cos, sin, attend, mix, norm)
+    return x, k_cache, v_cache
 
 
-def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None, norm: str = "xla",
-               delta=None):
+def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None, norm: str = "xla"):
     """One decoder layer with the K/V storage left to `attend(q, k, v) -> (mixed [B, T, q_size],
     new storage)`, so the dense cache and the serving engine's paged cache share every other op
     (and so their numerics). `norm`: the RMSNorm implementation (see `rms_norm`).
-
-    The residual stream arrives as x plus `delta`, the previous layer's MLP output as float32
-    partials not yet added (None: nothing pending), and leaves the same way: each add runs
-    inside the norm after it (`add_rms_norm`: one kernel instead of an add and a norm).
-    Returns (x_in, x, delta, new storage): x_in = the layer's input, materialized (a tap of the
-    previous layer's output); the layer's output is x + delta (`add_reference`)."""
+    Returns (x, new storage)."""
     B, T, _ = x.shape
-    x_in, h = add_rms_norm(x, delta, p.attn_norm, cfg.rms_norm_eps, norm)
+    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps, norm)
     if mix is not None:
         h = mix(h, 0)
     qkv = linear(h, p.w_qkv)
@@ -145,15 +122,16 @@ def layer_with(cfg: ModelConfig, p: LayerParams, x, cos, sin, attend, mix=None, 
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     mixed, storage = attend(q, k, v)
+    attn = linear(mixed, p.w_o)
     if p.b_o is not None:
-        attn = (linear(mixed, p.w_o) + p.b_o).astype(jnp.float32)[None]
-    else:
-        attn = linear_partials(mixed, p.w_o)
-    x, h = add_rms_norm(x_in, attn, p.mlp_norm, cfg.rms_norm_eps, norm)
+        attn = attn + p.b_o
+    x = x + attn
+    h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps, norm)
     if mix is not None:
         h = mix(h, 1)
     gate, up = jnp.split(linear(h, p.w_gate_up), 2, axis=-1)
-    return x_in, x, linear_partials(jax.nn.silu(gate) * up, p.w_down), storage
+    x = x + linear(jax.nn.silu(gate) * up, p.w_down)
+    return x, storage
 
 
 def forward(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -178,17 +156,17 @@ def forward_with_taps(params: ModelParams, cfg: ModelConfig, tokens: jax.Array, 
         mask = causal_slot_mask(start, T, cache.num_slots)
     x = params.embed[tokens]
     cos, sin = rope_cos_sin(cfg, positions)
-    new_k, new_v, tapped, delta = [], [], {}, None
+    new_k, new_v, tapped = [], [], {}
     for i, (p, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
-        x_in, x, delta, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention,
-                                        norm=params.norm, mesh=params.mesh, delta=delta)
+        x, kc, vc = _layer(cfg, p, x, cos, sin, kc, vc, start, mask, attention=params.attention,
+                           norm=params.norm, mesh=params.mesh)
         new_k.append(kc)
         new_v.append(vc)
-        tapped[i - 1] = x_in  # layer i - 1's output (taps read the residual the forward itself builds)
-    x, hidden = add_rms_norm(x, delta, params.final_norm, cfg.rms_norm_eps, params.norm)
-    tapped[len(params.layers) - 1] = x
+        if i in taps:
+            tapped[i] = x
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    return hidden, features, KVCache(k=new_k, v=new_v)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, params.norm)
+    return x, features, KVCache(k=new_k, v=new_v)
 
 
 def lm_logits(params: ModelParams, hidden: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from pallas_kernels.tree_attention import tree_attention
 from specjax.models.config import ModelConfig
 from specjax.models.params import ModelParams
 from specjax.models.rope import rope_cos_sin
-from specjax.models.transformer import add_rms_norm, dense_attention, layer_with
+from specjax.models.transformer import dense_attention, layer_with, rms_norm
 from specjax.serving.paged_cache import PagedKVCache, gather_view, token_pages, write_tokens
 
 
@@ -129,7 +129,7 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
             batch.ancestors[:, batch.col0:batch.col0 + batch.width]  # [R, W, A]
     cos, sin = rope_cos_sin(cfg, batch.rope[None])
     x = params.embed[batch.tokens][None]  # [1, T, D]
-    new_k, new_v, tapped, delta = [], [], {}, None
+    new_k, new_v, tapped = [], [], {}
     for i, (p, kp, vp) in enumerate(zip(params.layers, cache.k, cache.v)):
         def attend(q, k, v, kp=kp, vp=vp):
             kp = write_tokens(kp, k[0], page, offset)
@@ -148,11 +148,11 @@ def flat_forward(params: ModelParams, cfg: ModelConfig, batch: FlatBatch, pages:
                 mixed = _kernel_attention(params.attention == "interpret", batch, q[0][batch.unpack],
                                           gather_view(kp, pages), v_view, mask, last + 1)
             return mixed[batch.row, batch.col][None], (kp, vp)
-        x_in, x, delta, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend, norm=params.norm, delta=delta)
+        x, (kp, vp) = layer_with(cfg, p, x, cos, sin, attend, norm=params.norm)
         new_k.append(kp)
         new_v.append(vp)
-        tapped[i - 1] = x_in[0]  # layer i - 1's output
-    x, hidden = add_rms_norm(x, delta, params.final_norm, cfg.rms_norm_eps, params.norm)
-    tapped[len(params.layers) - 1] = x[0]
+        if i in taps:
+            tapped[i] = x[0]
     features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-    return hidden[0], features, PagedKVCache(k=new_k, v=new_v)
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, params.norm)
+    return x[0], features, PagedKVCache(k=new_k, v=new_v)
