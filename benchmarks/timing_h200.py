@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import functools
 import datetime
 import json
 import os
@@ -226,17 +228,36 @@ def step_variants(names):
     configs = {(s, f): tuned_config(s, f, device=DEVICE)
                for s in STEP_SHAPES
                for f in ("bf16", "lh12")}
-    out = {}
+    out, prepared = {}, {}
     for name in names:
         if name == "xla":
             out[name] = params
-        else:  # ours_<format>[_nowide]: _nowide drops the tuned wide-step settings (T > 16)
-            fmt_ = name.split("_")[1]
-            cfgs = configs if not name.endswith("_nowide") else \
-                {k: dataclasses.replace(c, wide=None) for k, c in configs.items()}
-            out[name], _ = prepare_kernel_params(params, cfg, {g: fmt_ for g in ("attn", "mlp", "head")},
-                                                 interpret=INTERPRET, configs=cfgs)
+            continue
+        # ours_<format>[_nowide][_split<S>]: _nowide drops the tuned wide-step settings (T > 16);
+        # _split<S> runs the attention kernel with split_s = S (`attention_split`)
+        fmt_, nowide = name.split("_")[1], "_nowide" in name
+        if (fmt_, nowide) not in prepared:
+            cfgs = configs if not nowide else {k: dataclasses.replace(c, wide=None) for k, c in configs.items()}
+            prepared[fmt_, nowide], _ = prepare_kernel_params(
+                params, cfg, {g: fmt_ for g in ("attn", "mlp", "head")}, interpret=INTERPRET, configs=cfgs)
+        out[name] = prepared[fmt_, nowide]
     return cfg, out
+
+
+@contextlib.contextmanager
+def attention_split(name: str):
+    """Within (for a variant named ..._split<S>): the step's attention kernel with key slots split
+    into programs of S (numerics: AR and verify steps must share it; the default is 256)."""
+    m = re.search(r"_split(\d+)", name)
+    from specjax.models import transformer
+    from pallas_kernels.decode_attention import AttentionConfig, decode_attention
+    if m:
+        transformer.decode_attention = functools.partial(
+            decode_attention, config=AttentionConfig(block_s=min(64, int(m.group(1))), split_s=int(m.group(1))))
+    try:
+        yield
+    finally:
+        transformer.decode_attention = decode_attention
 
 
 def step_fn(cfg, t: int, reps: int):
@@ -279,9 +300,11 @@ def step_part(names, profile: bool = True, tokens=(1, 16, 64), reps: int = 8) ->
                 row[f"T{t}"] = {"error": "skipped: past --finish-by-s"}
                 continue
             try:
-                run, cache, toks = step_fn(cfg, t, reps)
-                wall = timed(run, params, cache, toks, repeats=3) / reps
-                cell = {"wall_ms": wall * 1e3}
+                with attention_split(name):  # traced (first call) inside
+                    run, cache, toks = step_fn(cfg, t, reps)
+                    wall = timed(run, params, cache, toks, repeats=3) / reps
+                # the tokens after `reps` dependent steps (variants of one numerics agree)
+                cell = {"wall_ms": wall * 1e3, "tokens": np.asarray(run(params, cache, toks)).ravel().tolist()}
                 if profile:
                     evs = by_name(device_kernel_events(run, params, cache, toks))
                     kinds: dict = collections.defaultdict(float)
