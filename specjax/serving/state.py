@@ -36,6 +36,8 @@ class ServingOptions:
     tree: verify a tree of drafts per slot instead of a chain (a `TreeSpec`, or a `TreeShape` for
         the static builder; docs/design/serving_trees.md). With a budget, each slot verifies the
         first nodes of its tree (parents before children) that the budget admits.
+    batched_prefill: prefill the requests admitted together in one forward (dense targets;
+        `serving/admit_group.py`); off: one forward per request.
     """
     budget: int | None = None
     packed: bool = False
@@ -44,6 +46,7 @@ class ServingOptions:
     two_level_tokens: int | None = None
     attention: str = "xla"
     tree: object = None
+    batched_prefill: bool = True
 
     def check(self, k: int, num_slots: int) -> "ServingOptions":
         if self.budget is not None and not 1 <= self.budget:

@@ -15,6 +15,7 @@ from specjax.decoding.sequences import GenerationConfig, stop_hit
 from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
 from specjax.sampling import choose_token, probabilities, top2_margin
+from specjax.serving.admit_group import admit_group, group_sizes
 from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_batch, flat_forward
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
@@ -98,9 +99,18 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
                                recurrent=recurrent)
 
 
-def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0) -> ServingState:
-    """Admit queued requests in order while a slot and the head's pages are free."""
+def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0,
+          batched: bool = True) -> ServingState:
+    """Admit queued requests in order while a slot and the head's pages are free. `batched`
+    (dense targets): first prefill as many as fit in one forward (`admit_group`), then the rest
+    (if any) one by one."""
     k = overshoot
+    sizes = group_sizes(min(st.slots.busy.shape[0], st.queue.rid.shape[0]))
+    if batched and st.recurrent is None and sizes:
+        avail = jnp.minimum(st.queue.count, jnp.sum(~st.slots.busy))
+        branch = jnp.where(avail < 2, 0, 1 + jnp.sum(jnp.asarray(sizes[:-1]) < avail))
+        st = jax.lax.switch(branch, [lambda st: st] + [
+            functools.partial(admit_group, params, cfg, drafter, gen, forcing, k, g) for g in sizes], st)
 
     def can(st):
         q = st.queue
@@ -249,7 +259,7 @@ def _serve_call(params, cfg, drafter, gen, opts: ServingOptions, forcing: bool, 
     def body(carry):
         st, i = carry
         k = 0 if drafter is None else drafter.k
-        st = admit(params, cfg, drafter, gen, forcing, st, opts.overshoot(k))
+        st = admit(params, cfg, drafter, gen, forcing, st, opts.overshoot(k), opts.batched_prefill)
         step = verify_hybrid_step if st.recurrent is not None else \
             verify_step if opts.tree is None else verify_tree_step
         st = retire(step(params, cfg, drafter, gen, opts, forcing, st))
