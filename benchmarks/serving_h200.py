@@ -17,7 +17,8 @@ served B at a time; throughput = generated tokens / wall seconds of `engine.run(
 included: that is what mechanism 3 removes), after a warm-up run that compiles. Configurations:
 AR (device-resident), stock (chain k = 7, padded, no budget, one host round trip per step), then at
 `--ladder-batch` the mechanisms added one at a time (budget, packed, device-resident steps,
-two-level), and at every B all of them. The budget is chosen (`choose_budget`) from the cost of
+two-level), and at every B all of them. Admission prefills the requests admitted together in one
+forward (`batched_prefill`); the "-prefill1" rungs at the ladder batch prefill one by one. The budget is chosen (`choose_budget`) from the cost of
 a verify pass at each token count: measured first (`serving/profile.py`, the default) or as the
 cost model prices it with the H200's read bandwidth and matmul rate (`--budget-from costmodel`,
 what the 2026-12-04 results used). Every output is compared with AR's token for token (bf16 on a GPU: a
@@ -116,6 +117,10 @@ def configs(batch: int, budget: int, ladder: bool, only: set[str] | None = None
         out.append(("+device_loop+paged_kernel", dataclasses.replace(all_on, two_level_k1=None,
                                                                      attention="pallas"), True))
         out.append(("all+paged_kernel", dataclasses.replace(all_on, attention="pallas"), True))
+        if ladder:  # admission one request per prefill forward, as before batched prefill
+            out.append(("ar-prefill1", dataclasses.replace(out[0][1], batched_prefill=False), False))
+            out.append(("+device_loop+paged_kernel-prefill1", dataclasses.replace(
+                all_on, two_level_k1=None, attention="pallas", batched_prefill=False), True))
     if only:
         out = [c for c in out if c[0] in only]
     return out
