@@ -18,8 +18,8 @@ included: that is what mechanism 3 removes), after a warm-up run that compiles. 
 AR (device-resident), stock (chain k = 7, padded, no budget, one host round trip per step), then at
 `--ladder-batch` the mechanisms added one at a time (budget, packed, device-resident steps,
 two-level), and at every B all of them. Admission prefills the requests admitted together in one
-forward (`batched_prefill`); the "-prefill1" rungs at the ladder batch prefill one by one. The budget is chosen (`choose_budget`) from the cost of
-a verify pass at each token count: measured first (`serving/profile.py`, the default) or as the
+forward (`batched_prefill`); the "-prefill1" rungs at the ladder batch prefill one by one.
+The budget is chosen (`choose_budget`) from the cost of a verify pass at each token count: measured first (`serving/profile.py`, the default) or as the
 cost model prices it with the H200's read bandwidth and matmul rate (`--budget-from costmodel`,
 what the 2026-12-04 results used). Every output is compared with AR's token for token (bf16 on a GPU: a
 near-tie can flip; the count is reported, never hidden). JSON to $OUT/serving_h200_<part>.json
