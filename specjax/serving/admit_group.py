@@ -6,8 +6,11 @@ configuration (docs/results/serving_h200.md, 2026-12-07). Here the queue's head 
 (a free slot each and their pages, in queue order, as `admit_one` would take them one by one)
 are prefilled together: their prompts are rows of one flat token bucket of `group` x P tokens
 (P = the queue's prompt width), and each lands in the slot and pages `admit_one` would have given
-it. `group` is static (a jit bucket): `admit` picks the smallest power of two that holds the
-requests it can admit, so a step that admits two requests does not pay for thirty-two.
+it. The group size is static (a jit shape); `step.admit` prefills groups of `GROUP` while two or
+more requests can come in, then admits a last one alone. Why 4: a prefill of G prompts of P
+tokens is weight-read-bound only while G P is small (an 8B target turns compute-bound near 200
+tokens on an H100), so past a few rows a bigger group saves nothing over several groups of 4,
+costs more when only two requests are waiting, and each size is one more compiled forward.
 
 The prompt rows go through the same `flat_forward` as a single prefill, so a kernel target (whose
 GEMMs and norms are row-invariant) computes the same bits either way.
@@ -29,13 +32,7 @@ from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed
 from specjax.serving.state import ServingState
 
 
-def group_sizes(limit: int) -> tuple[int, ...]:
-    """The static group buckets up to `limit` requests: 2, 4, 8, ... and `limit` itself."""
-    sizes, g = [], 2
-    while g < limit:
-        sizes.append(g)
-        g *= 2
-    return tuple(sizes + [limit]) if limit >= 2 else ()
+GROUP = 4  # prompts per batched prefill forward (see the module docstring)
 
 
 def placements(st: ServingState, group: int, overshoot: int):

@@ -15,7 +15,7 @@ from specjax.decoding.sequences import GenerationConfig, stop_hit
 from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
 from specjax.sampling import choose_token, probabilities, top2_margin
-from specjax.serving.admit_group import admit_group, group_sizes
+from specjax.serving.admit_group import GROUP, admit_group
 from specjax.serving.budget import admitted_drafts, layout
 from specjax.serving.flat_forward import flat_batch, flat_forward
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
@@ -102,21 +102,21 @@ def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing:
 def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0,
           batched: bool = True) -> ServingState:
     """Admit queued requests in order while a slot and the head's pages are free. `batched`
-    (dense targets): first prefill as many as fit in one forward (`admit_group`), then the rest
-    (if any) one by one."""
+    (dense targets): while two or more can come in, prefill them in groups of up to `GROUP` in
+    one forward each (`admit_group`); the last one alone."""
     k = overshoot
-    sizes = group_sizes(min(st.slots.busy.shape[0], st.queue.rid.shape[0]))
-    if batched and st.recurrent is None and sizes:
-        avail = jnp.minimum(st.queue.count, jnp.sum(~st.slots.busy))
-        branch = jnp.where(avail < 2, 0, 1 + jnp.sum(jnp.asarray(sizes[:-1]) < avail))
-        st = jax.lax.switch(branch, [lambda st: st] + [
-            functools.partial(admit_group, params, cfg, drafter, gen, forcing, k, g) for g in sizes], st)
 
     def can(st):
         q = st.queue
         need = pages_needed(reserve(q.length[0], q.max_new[0], k), st.cache.page_size)
         return (q.count > 0) & ~jnp.all(st.slots.busy) & (jnp.sum(st.free) >= need)
 
+    group = min(GROUP, st.slots.busy.shape[0], st.queue.rid.shape[0])
+    if batched and st.recurrent is None and group >= 2:
+        def can_group(st):  # the head fits, so each group admits at least one: the loop ends
+            return can(st) & (jnp.minimum(st.queue.count, jnp.sum(~st.slots.busy)) >= 2)
+        st = jax.lax.while_loop(can_group, functools.partial(
+            admit_group, params, cfg, drafter, gen, forcing, k, group), st)
     return jax.lax.while_loop(can, functools.partial(admit_one, params, cfg, drafter, gen, forcing, k), st)
 
 
