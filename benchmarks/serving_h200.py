@@ -139,6 +139,7 @@ def run_engine(cfg, params, drafter, prompts, max_new, batch, opts, slot_len, wi
     seconds = time.perf_counter() - t
     res = [results[r] for r in rids]
     rounds = sum(r.rounds for r in res)
+    calls, steps = engine.calls - calls0, engine.steps - steps0  # the timed run's alone
     busy = None
     if profile:  # the same requests again under the profiler: device kernel time vs wall
         from specjax.profiling import by_name, device_kernel_events
@@ -155,8 +156,8 @@ def run_engine(cfg, params, drafter, prompts, max_new, batch, opts, slot_len, wi
                     top=[(k, c, s) for k, (c, s) in list(names.items())[:25]])
     return dict(profile=busy, tokens=sum(len(r.tokens) for r in res), seconds=seconds,
                 tokens_per_s=sum(len(r.tokens) for r in res) / seconds,
-                tau=sum(r.committed for r in res) / max(rounds, 1), calls=engine.calls - calls0,
-                steps=engine.steps - steps0, outputs=[r.tokens for r in res])
+                tau=sum(r.committed for r in res) / max(rounds, 1), calls=calls,
+                steps=steps, outputs=[r.tokens for r in res])
 
 
 def main(argv=None):
