@@ -35,7 +35,9 @@ MODES = {"chain": ServingOptions(), "chain_device_loop": ServingOptions(steps_pe
          "chain_packed": ServingOptions(packed=True), "chain_budget_packed": ServingOptions(budget=2, packed=True),
          "tree_budget_packed": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=4, packed=True),
          "all": ServingOptions(tree=TreeSpec("topk", 5, 3), budget=5, packed=True, two_level_k1=2,
-                               steps_per_call=4)}
+                               steps_per_call=4),
+         "chain_two_level_cut": ServingOptions(budget=5, packed=True, two_level_k1=1, two_level_tokens=1,
+                                               steps_per_call=4)}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -92,10 +94,8 @@ def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
 def test_hybrid_mechanisms_not_built_say_so(hybrid):
     cfg, params, _, _ = hybrid
     d = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
-    for opts in (ServingOptions(attention="interpret"), ServingOptions(packed=True, two_level_k1=1,
-                                                                      two_level_tokens=2)):
-        with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
-            ServingEngine(cfg, params, d, page_size=16, options=opts)
+    with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
+        ServingEngine(cfg, params, d, page_size=16, options=ServingOptions(attention="interpret"))
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec("topk", 6, 4)])

@@ -52,15 +52,16 @@ def test_served_tokens_follow_target(target, case):
     assert chi_square_p(served_counts(engine), exact_joint(cfg, params, sampling)) > 0.01
 
 
-@pytest.mark.parametrize("tree", [None, "topk"])
-def test_served_hybrid_tokens_follow_target(tree):
+@pytest.mark.parametrize("tree,cut", [(None, None), (None, 100), ("topk", None)])
+def test_served_hybrid_tokens_follow_target(tree, cut):
     """A hybrid target (GDN + attention) in the serving engine with the budget, packing and
     two-level verification (level 2 on level 1's K/V and GDN inputs; chains and top-k trees of
-    an n-gram drafter)."""
+    an n-gram drafter); `cut`: level 2 verifies at most that many drafts over the batch
+    (`two_level_tokens`, the best by survival score)."""
     from specjax.drafters.ngram import NgramDrafter
     cfg, params = hybrid_target()
     sampling = SAMPLINGS["t1" if tree is None else "t08_p08"]
-    opts = ServingOptions(budget=400, packed=True, steps_per_call=32, two_level_k1=1,
+    opts = ServingOptions(budget=400, packed=True, steps_per_call=32, two_level_k1=1, two_level_tokens=cut,
                           tree=None if tree is None else TreeSpec.budget(tree, 6, 3))
     engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=V), num_slots=256, slot_len=16,
                            page_size=4, queue_len=256, max_waiting=DRAWS, prompt_width=len(PROMPT),

@@ -76,13 +76,17 @@ def force(forced: Forced, seqs: Sequences, out, num_accepted):
 def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationConfig, cache: KVCache,
                dstate, seqs: Sequences, stats: ChainStats, key, forced: Forced | None = None,
                num_drafts: jax.Array | None = None, two_level_k1: int | None = None,
-               packed_bucket: int | None = None):
+               packed_bucket: int | None = None, two_level_tokens: int | None = None,
+               confidence: jax.Array | None = None):
     """One draft -> verify -> accept -> commit round. num_drafts [B] (a serving budget): only the
     first num_drafts[b] drafts may be accepted. packed_bucket (hybrid targets): verify only those
     drafts, packed into a flat bucket of at most this many tokens (`packed_counts`).
     two_level_k1 (hybrid targets; the serving engine's two-level switch): verify pending + k1
     drafts first, and the later drafts only where the k1 passed and some row did, on level 1's
-    cache and GDN inputs (`decoding/two_level.py`)."""
+    cache and GDN inputs (`decoding/two_level.py`). two_level_tokens (with packed_bucket): level 2
+    verifies at most this many drafts over the batch, the best by survival score of `confidence`
+    [B, k] (a function of the context, never of the drafted tokens, as the serving budget's),
+    and a promoted row may accept only the drafts it verified."""
     key_d, key_v = jax.random.split(key)
     draft, draft_probs, dstate = drafter.propose(dstate, seqs, key_d, gen.sampling)
     k = draft.shape[1]
@@ -92,10 +96,10 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
 
     reach = k if num_drafts is None else num_drafts
 
-    def verify(first, width, cache, rows=None, prefix=None):  # tokens first .. width - 1
-        start = pos + first
+    def verify(first, width, cache, rows=None, prefix=None, reach=reach, bucket=packed_bucket):
+        start = pos + first  # tokens first .. width - 1
         positions = start[:, None] + jnp.arange(width - first, dtype=jnp.int32)[None, :]
-        pack = packed_counts(seqs, reach, first, width, rows, packed_bucket)
+        pack = packed_counts(seqs, reach, first, width, rows, bucket)
         hidden, features, cache, pending = chain_verify(target, cfg, tokens[:, first:width], positions, cache, start,
                                                         taps, pack, prefix)
         return target_logits(target, cfg, hidden), features, cache, pending
@@ -117,9 +121,24 @@ def chain_step(target: ModelParams, cfg: ModelConfig, drafter, gen: GenerationCo
             else:
                 passed = acceptance_tests(draft, draft_probs, probabilities(logits1, gen.sampling), key_v)[:, :k1]
             return ~seqs.done & (reach > k1) & (leading_true(passed) == k1)
+        def reach_of(promoted):  # drafts a promoted row verifies, in all
+            if two_level_tokens is None:
+                return reach
+            from specjax.serving.budget import admitted_drafts  # serving's ranking rule
+            later = jnp.clip(jnp.asarray(reach) - k1, 0, k - k1)
+            return k1 + jnp.minimum(later, admitted_drafts(confidence[:, k1:], promoted, two_level_tokens))
+
+        if two_level_tokens is not None and (packed_bucket is None or confidence is None):
+            raise ValueError("two_level_tokens sizes a packed level-2 bucket: it needs packed_bucket and "
+                             "confidence")
+        bucket2 = packed_bucket if two_level_tokens is None else min(packed_bucket, two_level_tokens)
         logits, features, cache, pending = verify_two_level(
-            lambda c: verify(0, k1 + 1, c), lambda c, p, rows: verify(k1 + 1, k + 1, c, rows, p),
+            lambda c: verify(0, k1 + 1, c),
+            lambda c, p, rows: verify(k1 + 1, k + 1, c, rows, p, reach_of(rows), bucket2),
             cache, k1 + 1, k + 1, promoted_of)
+        if two_level_tokens is not None:  # promotion reads level 1's logits only: recomputed alike
+            promoted = promoted_of(logits)
+            num_drafts = jnp.where(promoted, reach_of(promoted), reach)
     if taps:  # all k + 1 positions: only the accepted ones are ever read (see drafters/block.py)
         dstate = drafter.observe(dstate, features, pos)
     limit = () if num_drafts is None else (num_drafts,)  # the plain rule's own call without a budget

@@ -74,10 +74,9 @@ class ServingEngine:
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
                  mesh=None, shard_drafter: bool = False):
-        if is_hybrid(cfg) and (options.attention != "xla" or options.two_level_tokens):
+        if is_hybrid(cfg) and options.attention != "xla":
             raise NotImplementedError("hybrid targets in the serving engine: XLA's attention over the views "
-                                      "only (no paged attention kernel or two_level_tokens yet: "
-                                      "docs/design/serving_hybrid.md)")
+                                      "only (no paged attention kernel yet: docs/design/serving_hybrid.md)")
         if is_hybrid(cfg) and forcing and drafter is None:
             raise NotImplementedError("token forcing of plain AR on a hybrid target in the serving engine")
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:

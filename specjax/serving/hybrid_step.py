@@ -7,7 +7,8 @@ every slot's pages into a dense view, runs the decoder's own chain or tree step 
 accept, commit), and scatters the views back. The numerics are the decoder's, so each request's
 tokens are what `engine.Decoder` gives it. XLA's attention over the views; the budget, packing
 and two-level verification pass through to the decoder's steps (`num_drafts`, `packed_bucket`,
-`two_level_k1`; packing: `models/row_packing.py`, two levels: `decoding/two_level.py`).
+`two_level_k1`, `two_level_tokens`; packing: `models/row_packing.py`, two levels:
+`decoding/two_level.py`).
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
         # the budget admits drafts by the slot's running acceptance rate (never the drafted
         # tokens, see step.py); the padded layout verifies every row's k + 1 tokens regardless
         n = opts.drafts(drafter.k)
+        confidence = jnp.broadcast_to(s.accept_rate[:, None], (B, n))
         if opts.budget is not None:
-            n_drafts = admitted_drafts(jnp.broadcast_to(s.accept_rate[:, None], (B, n)), active, opts.budget)
+            n_drafts = admitted_drafts(confidence, active, opts.budget)
         step = chain_step if opts.tree is None else functools.partial(tree_step, spec=opts.tree)
+        if opts.two_level_tokens is not None:  # chains only (ServingOptions refuses it for trees)
+            step = functools.partial(step, two_level_tokens=opts.two_level_tokens, confidence=confidence)
         # packed: each slot's pending token and admitted drafts (and its deferred path) only
         bucket = B + opts.draft_budget(drafter.k, B) if opts.packed else None
         hcache, dstate, seqs, stats, forced = step(params, cfg, drafter, gen=gen, cache=hcache, dstate=st.dstate,
