@@ -30,7 +30,7 @@ def queued_state(engine, prompts, max_new):
 @pytest.mark.parametrize("num_pages,expect", [(None, 4), (1 + 12, 3)])
 def test_batched_admission_equals_one_by_one(num_pages, expect):
     """5 queued requests, 4 free slots; with 12 free pages only 3 fit (4 + 3 + 4), and the group
-    stops at the first request that does not fit, as admit_one does. Every slot field, the pages, the
+    stops at the first request that does not fit, as one-at-a-time admission does. Every slot field, the pages, the
     free mask, the queue and the drafter rows match; the prompts' K/V match to float32 noise."""
     cfg, params = tiny_model(seed=4, num_layers=2)
     drafter = init_block_drafter(params, cfg, jax.random.PRNGKey(2), 4, 1, [0, 1], conv=True, scale=0.5)
@@ -67,15 +67,14 @@ def test_serving_with_batched_prefill_equals_one_by_one_and_runs_the_group(monke
     cfg, params = tiny_model(seed=6, num_layers=2)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(2, 16))).tolist() for _ in range(7)]
-    groups = []
+    groups = {}
     real = step_mod.admit_group
-
-    def spy(*args):
-        groups.append(args[6])  # the static group size
-        return real(*args)
-    monkeypatch.setattr(step_mod, "admit_group", spy)
     out = {}
     for batched in (False, True):
+        def spy(*args, batched=batched):
+            groups.setdefault(batched, set()).add(args[6])  # the static group size
+            return real(*args)
+        monkeypatch.setattr(step_mod, "admit_group", spy)
         from specjax.drafters.ngram import NgramDrafter
         engine = ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=3, slot_len=48, page_size=8,
                                options=ServingOptions(packed=True, steps_per_call=4, batched_prefill=batched))
@@ -83,7 +82,8 @@ def test_serving_with_batched_prefill_equals_one_by_one_and_runs_the_group(monke
         res = engine.run()
         out[batched] = [res[r].tokens for r in rids]
     assert out[True] == out[False]
-    assert groups == [min(GROUP, 3)]  # traced once: the group forward is part of the compiled call
+    # what each compiled call holds: one-at-a-time admission, and with batching the group forward
+    assert groups == {False: {1}, True: {1, min(GROUP, 3)}}
 
 
 def test_options_switch_is_static_and_defaults_on():

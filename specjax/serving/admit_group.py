@@ -1,16 +1,16 @@
-"""Admission of several queued requests with one prefill forward (dense targets).
+"""Admission: queued requests into free slots, several with one prefill forward (dense targets).
 
-`step.admit_one` prefills one request per forward, and every prefill reads all the target's
-weights: at B = 32 with 64-token requests that was 30% of the device time of every serving
-configuration (docs/results/serving_h200.md, 2026-12-07). Here the queue's head requests that fit
-(a free slot each and their pages, in queue order, as `admit_one` would take them one by one)
-are prefilled together: their prompts are rows of one flat token bucket of `group` x P tokens
-(P = the queue's prompt width), and each lands in the slot and pages `admit_one` would have given
-it. The group size is static (a jit shape); `step.admit` prefills groups of `GROUP` while two or
-more requests can come in, then admits a last one alone. Why 4: a prefill of G prompts of P
-tokens is weight-read-bound only while G P is small (an 8B target turns compute-bound near 200
-tokens on an H100), so past a few rows a bigger group saves nothing over several groups of 4,
-costs more when only two requests are waiting, and each size is one more compiled forward.
+Every prefill reads all the target's weights: prefilling one request per forward was 30% of the
+device time of every serving configuration at B = 32 with 64-token requests
+(docs/results/serving_h200.md, 2026-12-07). `admit_group` prefills the queue's head requests that
+fit (a free slot each and their pages, in queue order, as admitting them one at a time would
+place them) together: their prompts are rows of one flat token bucket of `group` x P tokens
+(P = the queue's prompt width). The group size is static (a jit shape); `step.admit` prefills
+groups of `GROUP` while two or more requests can come in, then one at a time (group 1, which is
+also how hybrid targets admit). Why 4: a prefill of G prompts of P tokens is weight-read-bound
+only while G P is small (an 8B target turns compute-bound near 200 tokens on an H100), so past a
+few rows a bigger group saves nothing over several groups of 4, costs more when only two
+requests are waiting, and each size is one more compiled forward.
 
 The prompt rows go through the same `flat_forward` as a single prefill, so a kernel target (whose
 GEMMs and norms are row-invariant) computes the same bits either way.
@@ -28,6 +28,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
 from specjax.sampling import choose_token, top2_margin
 from specjax.serving.flat_forward import flat_batch, flat_forward
+from specjax.serving.hybrid_step import admit_hybrid
 from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed
 from specjax.serving.state import ServingState
 
@@ -35,10 +36,15 @@ from specjax.serving.state import ServingState
 GROUP = 4  # prompts per batched prefill forward (see the module docstring)
 
 
+def reserve(plen, max_new, k: int):
+    """Cache positions a request may write: prompt, output, one step's overshoot."""
+    return plen + max_new + k + 1
+
+
 def placements(st: ServingState, group: int, overshoot: int):
     """Which of the queue's first `group` requests are admitted, in order, and where: the same
-    choices as `admit_one` repeated (lowest free slot, lowest free pages; stop at the first
-    request that does not fit). -> (ok [G] bool, slot [G] (B where not admitted), pages [G, M],
+    choices as admitting them one at a time (lowest free slot, lowest free pages; stop at the
+    first request that does not fit). -> (ok [G] bool, slot [G] (B where not admitted), pages [G, M],
     new free-page mask)."""
     s, q = st.slots, st.queue
     B, M = s.busy.shape[0], s.pages.shape[1]
@@ -46,7 +52,7 @@ def placements(st: ServingState, group: int, overshoot: int):
 
     def place(i, carry):
         free, busy, ok_prev, oks, slots, rows = carry
-        need = pages_needed(q.length[i] + q.max_new[i] + overshoot + 1, page_size)
+        need = pages_needed(reserve(q.length[i], q.max_new[i], overshoot), page_size)
         ok = ok_prev & (i < q.count) & ~jnp.all(busy) & (jnp.sum(free) >= need)
         row, taken = allocate(free, need, M)
         slot = jnp.argmin(busy)
@@ -61,7 +67,9 @@ def placements(st: ServingState, group: int, overshoot: int):
 
 def admit_group(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing: bool, overshoot: int,
                 group: int, st: ServingState) -> ServingState:
-    """Prefill up to `group` of the queue's head requests in one forward into free slots."""
+    """Prefill up to `group` of the queue's head requests in one forward into free slots (group 1:
+    one-by-one admission, hybrid targets included; the caller checked that the head fits).
+    overshoot: positions one verify step writes past the committed length (`ServingOptions.overshoot`)."""
     s, q = st.slots, st.queue
     ok, slot, rows, free = placements(st, group, overshoot)
     G, P, L = group, q.tokens.shape[1], s.seqs.tokens.shape[1]
@@ -71,9 +79,15 @@ def admit_group(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcin
     batch = flat_batch(prompt.reshape(-1), jnp.tile(idx, G), jnp.repeat(jnp.arange(G, dtype=jnp.int32), P),
                        jnp.tile(idx, G), live.reshape(-1), G, P)
     taps = getattr(drafter, "taps", ())
-    hidden, features, cache = flat_forward(params, cfg, batch, rows, st.cache, taps)
-    last = jnp.arange(G) * P + jnp.maximum(plen - 1, 0)
-    logits = target_logits(params, cfg, hidden[last])  # [G, V]
+    recurrent = st.recurrent
+    if recurrent is None:
+        hidden, features, cache = flat_forward(params, cfg, batch, rows, st.cache, taps)
+        logits = target_logits(params, cfg, hidden[jnp.arange(G) * P + jnp.maximum(plen - 1, 0)])  # [G, V]
+        features = None if features is None else features.reshape(G, P, -1)
+    else:  # a hybrid target, one request: the decoder's prompt forward, its GDN states into the slot
+        if G != 1:
+            raise ValueError(f"hybrid targets admit one request per prefill, not {G}")
+        logits, features, cache, recurrent = admit_hybrid(params, cfg, prompt[0], plen[0], rows[0], slot[0], st, taps)
     key, sub = jax.random.split(st.key)
     first = choose_token(logits, gen.sampling, sub)
     failed = ~jnp.all(jnp.isfinite(logits), axis=-1)
@@ -102,7 +116,7 @@ def admit_group(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcin
         margins=put(s.seqs.margins, margins))
     dstate = st.dstate
     if drafter is not None:
-        extra = {"features": features.reshape(G, P, -1)} if taps else {}
+        extra = {"features": features} if taps else {}
         dstate = jax.tree.map(put, dstate, drafter.init(prompt, plen, L, **extra))
     slots = dataclasses.replace(
         s, seqs=seqs, busy=put(s.busy, jnp.ones(G, bool)), rid=put(s.rid, q.rid[:G]),
@@ -115,4 +129,5 @@ def admit_group(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcin
     order = jnp.argsort(jnp.arange(q.rid.shape[0]) < n, stable=True)  # the admitted head to the back
     queue = dataclasses.replace(q, **{f.name: getattr(q, f.name)[order] for f in dataclasses.fields(q)
                                       if f.name != "count"}, count=jnp.maximum(q.count - n, 0))
-    return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key)
+    return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key,
+                               recurrent=recurrent)

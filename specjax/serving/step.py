@@ -11,23 +11,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.sequences import GenerationConfig, stop_hit
+from specjax.decoding.sequences import GenerationConfig
 from specjax.models.config import ModelConfig
 from specjax.models.target import target_logits
-from specjax.sampling import choose_token, probabilities, top2_margin
-from specjax.serving.admit_group import GROUP, admit_group
+from specjax.sampling import probabilities, top2_margin
+from specjax.serving.admit_group import GROUP, admit_group, reserve
 from specjax.serving.budget import admitted_drafts, layout
-from specjax.serving.flat_forward import flat_batch, flat_forward
-from specjax.serving.paged_cache import TRASH_PAGE, allocate, pages_needed, release
+from specjax.serving.flat_forward import flat_forward
+from specjax.serving.paged_cache import TRASH_PAGE, pages_needed, release
 from specjax.serving.round import commit_round
 from specjax.serving.state import Queue, ServingOptions, ServingState
-from specjax.serving.hybrid_step import admit_hybrid, verify_hybrid_step
+from specjax.serving.hybrid_step import verify_hybrid_step
 from specjax.serving.tree_step import verify_tree_step
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
-
-
-def _set_row(tree, index, row_tree):
-    return jax.tree.map(lambda full, one: full.at[index].set(one[0]), tree, row_tree)
 
 
 def _pop(queue: Queue, keep: jax.Array) -> Queue:
@@ -35,68 +31,6 @@ def _pop(queue: Queue, keep: jax.Array) -> Queue:
     order = jnp.argsort(~keep, stable=True)
     moved = {f.name: getattr(queue, f.name)[order] for f in dataclasses.fields(queue) if f.name != "count"}
     return Queue(**moved, count=jnp.sum(keep).astype(jnp.int32))
-
-
-def reserve(plen, max_new, k: int):
-    """Cache positions a request may write: prompt, output, one step's overshoot."""
-    return plen + max_new + k + 1
-
-
-def admit_one(params, cfg: ModelConfig, drafter, gen: GenerationConfig, forcing: bool, overshoot: int,
-              st: ServingState) -> ServingState:
-    """Prefill the queue's head into the first free slot (the caller checked both exist).
-    overshoot: positions one verify step writes past the committed length (`ServingOptions.overshoot`)."""
-    s, q = st.slots, st.queue
-    k = overshoot
-    slot = jnp.argmin(s.busy)
-    prompt, plen, max_new = q.tokens[0], q.length[0], q.max_new[0]
-    P, L = prompt.shape[0], s.seqs.tokens.shape[1]
-    row, free = allocate(st.free, pages_needed(reserve(plen, max_new, k), st.cache.page_size),
-                         s.pages.shape[1])
-    idx = jnp.arange(P, dtype=jnp.int32)
-    taps = getattr(drafter, "taps", ())
-    recurrent = st.recurrent
-    if recurrent is None:
-        batch = flat_batch(prompt, idx, jnp.zeros(P, jnp.int32), idx, idx < plen, 1, P)
-        hidden, features, cache = flat_forward(params, cfg, batch, row[None], st.cache, taps)
-        logits = target_logits(params, cfg, hidden[plen - 1])[None]  # [1, V]
-        features = None if features is None else features[None]
-    else:  # a hybrid target: the decoder's prompt forward, its GDN states into the slot's row
-        logits, features, cache, recurrent = admit_hybrid(params, cfg, prompt, plen, row, slot, st, taps)
-    key, sub = jax.random.split(st.key)
-    first = choose_token(logits, gen.sampling, sub)[0]
-    failed = ~jnp.all(jnp.isfinite(logits))
-    tokens = jnp.zeros(L, jnp.int32).at[:P].set(jnp.where(idx < plen, prompt, 0)).at[plen].set(first)
-    forced = s.forced
-    if forcing:
-        ref = q.ref_tokens[0]
-        forced = _set_row(forced, slot, jax.tree.map(lambda x: x[None], dataclasses.replace(
-            forced, ref_tokens=ref, ref_length=q.ref_length[0],
-            mismatch=jnp.zeros(L, bool).at[plen].set(first != ref[plen]),
-            engine_token=jnp.zeros(L, jnp.int32).at[plen].set(first),
-            checked=jnp.zeros(L, bool).at[plen].set(True))))
-        tokens = tokens.at[plen].set(ref[plen])
-        done = plen + 1 >= q.ref_length[0]
-    else:
-        done = (max_new <= 1) | stop_hit(tokens[None], plen[None], plen[None] + 1, gen.stop_tokens)[0]
-    seqs = s.seqs
-    seqs = dataclasses.replace(
-        seqs, tokens=seqs.tokens.at[slot].set(tokens), length=seqs.length.at[slot].set(plen + 1),
-        prompt_len=seqs.prompt_len.at[slot].set(plen), done=seqs.done.at[slot].set(done | failed),
-        margins=seqs.margins.at[slot].set(jnp.full(L, jnp.inf).at[plen].set(top2_margin(logits)[0])))
-    dstate = st.dstate
-    if drafter is not None:
-        extra = {"features": features} if taps else {}
-        dstate = _set_row(dstate, slot, drafter.init(prompt[None], plen[None], L, **extra))
-    slots = dataclasses.replace(
-        s, seqs=seqs, busy=s.busy.at[slot].set(True), rid=s.rid.at[slot].set(q.rid[0]),
-        max_new=s.max_new.at[slot].set(max_new), pages=s.pages.at[slot].set(row),
-        accept_rate=s.accept_rate.at[slot].set(0.5), rounds=s.rounds.at[slot].set(0),
-        committed=s.committed.at[slot].set(0), accepted_hist=s.accepted_hist.at[slot].set(0), failed=s.failed.at[slot].set(failed), forced=forced)
-    queue = _pop(q, jnp.arange(q.rid.shape[0]) >= 1)
-    queue = dataclasses.replace(queue, count=jnp.maximum(q.count - 1, 0))
-    return dataclasses.replace(st, slots=slots, cache=cache, free=free, dstate=dstate, queue=queue, key=key,
-                               recurrent=recurrent)
 
 
 def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot: int = 0,
@@ -117,7 +51,7 @@ def admit(params, cfg, drafter, gen, forcing: bool, st: ServingState, overshoot:
             return can(st) & (jnp.minimum(st.queue.count, jnp.sum(~st.slots.busy)) >= 2)
         st = jax.lax.while_loop(can_group, functools.partial(
             admit_group, params, cfg, drafter, gen, forcing, k, group), st)
-    return jax.lax.while_loop(can, functools.partial(admit_one, params, cfg, drafter, gen, forcing, k), st)
+    return jax.lax.while_loop(can, functools.partial(admit_group, params, cfg, drafter, gen, forcing, k, 1), st)
 
 
 def _level(params, cfg, st, taps, table, first_pos, col0, width, counts, packed, bucket, attention="xla"):
