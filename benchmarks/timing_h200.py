@@ -22,8 +22,8 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import functools
 import datetime
+import functools
 import json
 import os
 import re
