@@ -12,7 +12,7 @@ from specjax.drafters.ngram import NgramDrafter
 from specjax.engine import Decoder
 from specjax.serving import ServingEngine, ServingOptions
 from specjax.trees.builders import TreeSpec
-from test_serving import assert_forcing, random_prompts
+from test_serving import TOL, assert_forcing, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,32 @@ def test_hybrid_requests_pass_forcing(hybrid, mode):
     engine = ServingEngine(cfg, params, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
                            slot_len=48, page_size=8, options=opts, forcing=True)
     assert_forcing(engine, prompts, reference, 14)
+
+
+def test_hybrid_plain_ar_passes_forcing_and_forcing_catches_a_wrong_token(hybrid):
+    """Plain AR on a hybrid target runs forced along the reference (slots recycled, device
+    loop); a reference with one token changed is caught at that token, as a failure (the
+    real margin there is no tie), and the request after it still passes."""
+    import dataclasses
+    from specjax.serving.forcing import check_serving_forcing
+    cfg, params, prompts, reference = hybrid
+
+    def engine():
+        return ServingEngine(cfg, params, None, num_slots=2, slot_len=48, page_size=8,
+                             options=ServingOptions(steps_per_call=3), forcing=True)
+
+    report = assert_forcing(engine(), prompts, reference, 14)
+    assert report.checked == report.expected
+    row, pos = 1, 5
+    tokens = [list(t) for t in reference.tokens]
+    right = tokens[row][pos]
+    tokens[row][pos] = (right + 1) % cfg.vocab_size
+    wrong = dataclasses.replace(reference, tokens=tokens)
+    report = check_serving_forcing(engine(), prompts, wrong, 14, tolerance=TOL)
+    assert not report.passed
+    first = min((m for m in report.failures if m.prompt == row), key=lambda m: m.position)
+    assert (first.position, first.engine_token, first.reference_token) == (pos, right, tokens[row][pos])
+    assert {m.prompt for m in report.failures} == {row}
 
 
 def test_hybrid_kernels_with_every_mechanism_pass_forcing(hybrid):

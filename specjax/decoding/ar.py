@@ -19,12 +19,19 @@ from specjax.models.target import target_forward, target_logits
 from specjax.sampling import choose_token, top2_margin
 
 
-def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache: KVCache,
-            seqs: Sequences, key: jax.Array) -> tuple[KVCache, Sequences]:
+def ar_logits(params: ModelParams, cfg: ModelConfig, cache: KVCache, seqs: Sequences
+              ) -> tuple[jax.Array, KVCache]:
+    """The target's next-token logits [B, V] after each row's pending token, and the cache with it."""
     pos = seqs.length - 1  # slot of the pending token
     hidden, _, cache = target_forward(params, cfg, seqs.pending()[:, None], pos[:, None], cache, pos)
-    logits = target_logits(params, cfg, hidden[:, 0])
+    return target_logits(params, cfg, hidden[:, 0]), cache
+
+
+def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache: KVCache,
+            seqs: Sequences, key: jax.Array) -> tuple[KVCache, Sequences]:
+    logits, cache = ar_logits(params, cfg, cache, seqs)
     token = choose_token(logits, gen.sampling, key)
+    pos = seqs.length - 1
     seqs = commit(seqs, token[:, None], jnp.ones_like(pos), gen, margins=top2_margin(logits)[:, None])
     return cache, seqs
 

@@ -77,8 +77,6 @@ class ServingEngine:
         if is_hybrid(cfg) and options.attention != "xla":
             raise NotImplementedError("hybrid targets in the serving engine: XLA's attention over the views "
                                       "only (no paged attention kernel yet: docs/design/serving_hybrid.md)")
-        if is_hybrid(cfg) and forcing and drafter is None:
-            raise NotImplementedError("token forcing of plain AR on a hybrid target in the serving engine")
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:
             raise ConfigError(f"need num_slots >= 1 and slot_len a multiple of page_size, got "
                               f"num_slots={num_slots}, slot_len={slot_len}, page_size={page_size}")

@@ -19,13 +19,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.ar import ar_step
-from specjax.decoding.chain import ChainStats, chain_step
+from specjax.decoding.ar import ar_logits
+from specjax.decoding.chain import ChainStats, chain_step, finish_round
 from specjax.decoding.sequences import GenerationConfig, prompt_forward
 from specjax.decoding.tree import tree_step
 from specjax.models.hybrid import init_hybrid_cache
 from specjax.serving.budget import admitted_drafts
 from specjax.serving.paged_cache import PagedKVCache, gather_view, scatter_view
+from specjax.sampling import choose_token, top2_margin
 from specjax.serving.state import ServingOptions, ServingState
 
 
@@ -85,8 +86,12 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
     dstate = st.dstate
     n_drafts = None
     if drafter is None:  # plain AR: the GDN states advance over each token as it is decoded
-        hcache, seqs = ar_step(params, cfg, gen, hcache, seqs, sub)
-        stats = ChainStats(rounds=active.astype(jnp.int32), accepted_hist=active[:, None].astype(jnp.int32))
+        # ended as a verify round is, so token forcing works here too: a token that differs from
+        # the reference is recorded and replaced, and the next step feeds the reference's
+        logits, hcache = ar_logits(params, cfg, hcache, seqs)
+        token = choose_token(logits, gen.sampling, sub)
+        seqs, stats, forced = finish_round(gen, seqs, stats, forced, token[:, None], jnp.zeros(B, jnp.int32),
+                                           top2_margin(logits)[:, None])
     else:
         # the budget admits drafts by the slot's running acceptance rate (never the drafted
         # tokens, see step.py); the padded layout verifies every row's k + 1 tokens regardless
