@@ -174,6 +174,37 @@ def test_two_level_pays_its_second_pass_only_when_someone_passes():
         assert p["component_time"][0, 0] == pytest.approx((1 + p_any) * (1e-3 + 12e-3))
 
 
+def test_two_level_token_cap_shrinks_level_two_and_the_reach_of_promoted_slots():
+    # B = 8 packed, k1 = 1 of k = 3, a = 0.5: level 2 would verify 8 x 2 = 16 tokens; a cap of 2
+    # verifies 2, shared by the ~8 x 0.5 = 4 promoted slots: each reaches 1 + 2 / 4 = 1.5 drafts
+    args = (batched(8), DEV, [3], [1], [0], alpha(0.5))
+    plain = predict(*args, **serving(1, packed=1, steps=1, k1=1))
+    capped = predict(*args, **serving(1, packed=1, steps=1, k1=1), two_level_tokens=np.full(1, 2.0))
+    wide_cap = predict(*args, **serving(1, packed=1, steps=1, k1=1), two_level_tokens=np.full(1, 1e6))
+    unpacked = predict(*args, **serving(1, steps=1, k1=1), two_level_tokens=np.full(1, 2.0))
+    p_any = 1 - 0.5 ** 8
+    level1 = 1e-3 + 16 * 1.2e-3  # 8 x (k1 + 1) tokens, compute-bound as in the tests above
+    assert capped["component_time"][0, 0] == pytest.approx(level1 + p_any * (1e-3 + 12e-3))
+    assert capped["component_time"][0, 0] < plain["component_time"][0, 0]
+    # depth 1.5 counts the second draft (fractional depths round up, as the budget's d = budget / B)
+    assert capped["tokens_per_step"][0] == pytest.approx(8 * (1 + 0.5 + 0.25))
+    assert capped["tokens_per_step"][0] < plain["tokens_per_step"][0]
+    # a cap above level 2's tokens changes nothing; padded verification ignores the cap
+    assert wide_cap["component_time"][0, 0] == plain["component_time"][0, 0]
+    assert wide_cap["tokens_per_step"][0] == plain["tokens_per_step"][0]
+    padded = predict(*args, **serving(1, steps=1, k1=1))
+    assert unpacked["component_time"][0, 0] == padded["component_time"][0, 0]
+    assert unpacked["tokens_per_step"][0] == padded["tokens_per_step"][0]
+    from specjax.search.registry import REGISTRY
+    on = {"drafter.kind": "ngram", "drafter.k": 3, "serving.steps_per_call": 4, "serving.packed": "on",
+          "serving.two_level_k1": 1, "serving.two_level_tokens": 5}
+    assert REGISTRY.apply(on)["serving"].two_level_tokens == 5
+    assert REGISTRY.features(on)["serving_k2_tokens"] == 5.0
+    for off in ({"serving.packed": "off"}, {"serving.two_level_k1": 0}):  # the cap needs both
+        assert REGISTRY.apply(dict(on, **off))["serving"].two_level_tokens is None
+        assert REGISTRY.features(dict(on, **off))["serving_k2_tokens"] == 0.0
+
+
 def test_host_round_trip_is_spread_over_steps_per_call():
     host = [predict(batched(4), DEV, [3], [1], [0], alpha(0.5), **serving(1, steps=s))["component_time"][0, 3]
             for s in (0, 1, 16)]

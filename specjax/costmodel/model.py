@@ -182,12 +182,14 @@ def _block_draft_time(dims: ModelDims, dev: DeviceModel, layers, k, peak: bool, 
             _forward_time(no_head, dev, layers, tokens, peak, wp))
 
 
-def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp, kv_passes=1.0):
+def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp, kv_passes=1.0,
+                    level2_cap=0.0):
     """Batched verification (serving mechanisms) -> (verify time, drafts each slot verifies).
     B requests per step: padded, every slot takes `width` tokens; a budget spreads `budget` drafts
     over the batch (equal acceptance: budget / B each); packed, only verified tokens are computed;
     two-level (k1 > 0) verifies k1 + 1 tokens per slot, then the rest with the probability that
-    some slot passed all k1 drafts."""
+    some slot passed all k1 drafts; `level2_cap` > 0 (two_level_tokens, packed chains) caps level
+    2 at that many tokens, shared by the ~B p_pass promoted slots, which then reach that far."""
     B = dims.batch
     d = jnp.where(budget > 0, jnp.minimum(depth, budget / B), depth)
     one = jnp.where(packed > 0, B * (1.0 + d), B * width)
@@ -198,13 +200,16 @@ def _verify_batched(dims, dev, alpha, width, depth, budget, packed, k1, peak, wp
     idx = jnp.arange(KMAX)
     p_pass = jnp.prod(jnp.where(idx < k1, alpha, 1.0))
     p_any = 1.0 - (1.0 - p_pass) ** B
+    capped = (k1 > 0) & (packed > 0) & (level2_cap > 0)
+    t2 = jnp.where(capped, jnp.minimum(t2, level2_cap), t2)
+    reach = jnp.where(capped, jnp.minimum(d, k1 + level2_cap / jnp.maximum(B * p_pass, 1e-6)), d)
     two = (_forward_time(dims, dev, dims.num_layers, t1, peak, wp, kv_passes) +
            p_any * _forward_time(dims, dev, dims.num_layers, t2, peak, wp, kv_passes))
-    return jnp.where(k1 > 0, two, single), d
+    return jnp.where(k1 > 0, two, single), reach
 
 
 def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor, lh12, tuned, pallas,
-         tree_nodes, budget, packed, steps_per_call, two_level_k1, kv_passes):
+         tree_nodes, budget, packed, steps_per_call, two_level_k1, kv_passes, two_level_tokens):
     """Component times, floors and rates for one candidate (kind: 0 none, 1 ngram, 2 layerskip,
     3 block, 4 replay (the drafter network of a block drafter; its acceptance is the profile's);
     bytes_factor, lh12 [3] per weight group; tuned, pallas 0/1 flags (tuned tiles; our Pallas GEMMs
@@ -212,7 +217,7 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     (draft tokens per step, 0: none), packed 0/1, steps_per_call (0: the batch engine, whole
     decode on the device; n: the serving engine, a host sync every n steps), two_level_k1,
     kv_passes (passes over the KV cache: 3 for a paged cache XLA gathers, 1 for the kernel or a
-    contiguous cache).
+    contiguous cache), two_level_tokens (level 2's token cap, 0: none).
     Times are per step of the whole batch (dims.batch requests)."""
     wp = WeightPlan.of(dims, dev, bytes_factor, lh12, tuned, pallas)
     speculative = kind > 0
@@ -222,9 +227,10 @@ def _one(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor
     width = jnp.where(tree_nodes > 0, tree_nodes, k) + 1
     depth = jnp.where(tree_nodes > 0, jnp.minimum(k, tree_nodes), k)
     verify, d = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, False, wp,
-                                kv_passes)
+                                kv_passes, two_level_tokens)
     # the floor reads the cache once whatever the attention does: a gather is a gap, not a floor
-    verify_floor, _ = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, True, wp)
+    verify_floor, _ = _verify_batched(dims, dev, alpha, width, depth, budget, packed, two_level_k1, True, wp,
+                                      1.0, two_level_tokens)
     B = dims.batch
     # layer-skip: one width-2 catch-up forward (k + 1 wide under trees: an accepted path may leave
     # the drafter's chain), then k - 1 width-1 forwards of the first K layers (the target's own
@@ -255,7 +261,7 @@ _COMPILED: dict = {}
 
 def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_factor=None, lh12=None,
             tuned=None, tree_nodes=None, budget=None, packed=None, steps_per_call=None,
-            two_level_k1=None, kv_passes=None, pallas=None) -> dict:
+            two_level_k1=None, kv_passes=None, pallas=None, two_level_tokens=None) -> dict:
     """Vectorized over candidates: k, kind, layers [C]; alpha [C, KMAX]; per weight group
     bytes_factor and lh12 [C, 3] (default all bf16); tuned [C] (default: default tiles); pallas [C]
     (default: XLA GEMMs); tree_nodes
@@ -271,6 +277,7 @@ def predict(dims: ModelDims, dev: DeviceModel, k, kind, layers, alpha, bytes_fac
     tree_nodes = np.zeros(c) if tree_nodes is None else tree_nodes
     serving = [np.zeros(c) if x is None else x for x in (budget, packed, steps_per_call, two_level_k1)]
     serving.append(np.ones(c) if kv_passes is None else kv_passes)
+    serving.append(np.zeros(c) if two_level_tokens is None else two_level_tokens)
     if (dims, dev) not in _COMPILED:
         _COMPILED[dims, dev] = jax.jit(jax.vmap(lambda *a: _one(dims, dev, *a)))
     out = _COMPILED[dims, dev](jnp.asarray(k, jnp.float32), jnp.asarray(kind, jnp.int32),

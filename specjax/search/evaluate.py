@@ -91,7 +91,8 @@ def cost_inputs(configs: list[dict], profiles: dict[str, np.ndarray]) -> dict[st
                 packed=np.array([f["serving_packed"] for f in feats]),
                 steps_per_call=np.array([f["serving_steps"] for f in feats]),
                 two_level_k1=np.array([f["serving_k1"] for f in feats]),
-                kv_passes=np.array([f["serving_kv_passes"] for f in feats]))
+                kv_passes=np.array([f["serving_kv_passes"] for f in feats]),
+                two_level_tokens=np.array([f["serving_k2_tokens"] for f in feats]))
 
 
 def engine_changes(config: dict) -> dict:

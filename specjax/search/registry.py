@@ -319,11 +319,13 @@ def _serving_options(config: dict):
         budget, k1 = 0, 0
     tree = _tree_spec(config)
     k1 = k1 if 0 < k1 < (k if tree is None else tree.nodes) else 0
+    # level 2's token cap: packed chains with two levels only (trees refuse it)
+    k2_tokens = int(config.get("serving.two_level_tokens", 0)) if (k1 and packed and tree is None) else 0
     if not (budget or packed or steps or k1):
         return None
     from specjax.serving.state import ServingOptions
     return ServingOptions(budget=budget or None, packed=packed, steps_per_call=max(steps, 1),
-                          two_level_k1=k1 or None, tree=tree,
+                          two_level_k1=k1 or None, two_level_tokens=k2_tokens or None, tree=tree,
                           attention="xla" if tree is not None and tree.nodes + 1 > MAX_TREE
                           else _serving_attention(config))
 
@@ -341,13 +343,13 @@ def _serving_features(config: dict) -> dict[str, float]:
     opts = _serving_options(config)
     if opts is None:
         return {"serving_budget": 0.0, "serving_packed": 0.0, "serving_steps": 0.0, "serving_k1": 0.0,
-                "serving_kv_passes": 1.0}
+                "serving_kv_passes": 1.0, "serving_k2_tokens": 0.0}
     # XLA's paged attention gathers every slot's pages into a contiguous view each layer (read the
     # pages, write the view, read it again): 3 passes over the KV bytes; the kernel reads pages once
     kv_passes = 1.0 if config.get("serving.attention", "xla") == "kernel" else 3.0
     return {"serving_budget": float(opts.budget or 0), "serving_packed": float(opts.packed),
             "serving_steps": float(opts.steps_per_call), "serving_k1": float(opts.two_level_k1 or 0),
-            "serving_kv_passes": kv_passes}
+            "serving_kv_passes": kv_passes, "serving_k2_tokens": float(opts.two_level_tokens or 0)}
 
 
 REGISTRY.register(Mechanism(
@@ -366,6 +368,10 @@ REGISTRY.register(Mechanism(
         ParamDef("serving.two_level_k1", "int", low=0, high=31, default=0,
                  doc="two-level verification: verify the first k1 drafts of every slot, the rest only "
                      "where all k1 passed; 0: one level", components=("verify",)),
+        ParamDef("serving.two_level_tokens", "int", low=0, high=4096, default=0,
+                 doc="two-level verification's level-2 token cap (packed chains): the promoted slots' "
+                     "later drafts with the highest survival scores, at most this many; 0: all of them",
+                 components=("verify",)),
         ParamDef("serving.attention", "categorical", ("xla", "kernel"), default="xla",
                  doc="paged attention of the serving engine: XLA (gathers each slot's pages into a "
                      "contiguous view) or the Pallas ragged paged attention kernel (reads the pages "
