@@ -24,9 +24,9 @@ from specjax.decoding.chain import ChainStats, chain_step, finish_round
 from specjax.decoding.sequences import GenerationConfig, prompt_forward
 from specjax.decoding.tree import tree_step
 from specjax.models.hybrid import init_hybrid_cache
+from specjax.sampling import choose_token, top2_margin
 from specjax.serving.budget import admitted_drafts
 from specjax.serving.paged_cache import PagedKVCache, gather_view, scatter_view
-from specjax.sampling import choose_token, top2_margin
 from specjax.serving.state import ServingOptions, ServingState
 
 
