@@ -273,7 +273,8 @@ def test_command_line_overrides_keep_every_method():
     method included, must come back unchanged."""
     from specjax.bench.cli import _method_as_yaml
     from specjax.bench.config import _method
-    for path in ("benchmarks/bench_h200_fp32.yaml", "benchmarks/bench_h200_bf16.yaml", "benchmarks/bench_cpu.yaml"):
+    for path in ("benchmarks/bench_h200_fp32.yaml", "benchmarks/bench_h200_bf16.yaml", "benchmarks/bench_h200.yaml",
+                 "benchmarks/bench_cpu.yaml"):
         cfg = load_bench_config(path)
         assert tuple(_method(path, _method_as_yaml(m)) for m in cfg.methods) == cfg.methods
         assert any(m.memory for m in cfg.methods) or path.endswith("cpu.yaml")
@@ -312,3 +313,29 @@ def test_a_searched_batching_config_runs_in_the_serving_engine(tmp_path):
     result = protocol.run_bench(model, bench_config_from_dict(raw), progress=lambda s: None, store=store)
     row = next(r for r in result["rows"] if r["method"] == "searched")
     assert row["lossless"] is True and row["equal_to_ar"] == 2
+
+
+def test_a_mechanisms_method_runs_its_config_as_the_search_would():
+    """A `mechanisms` method benches an explicit registry config (here batching mechanisms and an
+    n-gram drafter) through the continuous-batching engine, gated like any method; an unknown
+    parameter, a value outside its range, or a field beside the mapping is named in the error."""
+    from specjax.serving.decoder import ServingDecoder
+    cfg, params = tiny_model(seed=8)
+    model = LoadedModel("tiny", cfg, params, _ByteTokenizer(cfg.vocab_size))
+    mech = {"drafter.kind": "ngram", "drafter.k": 3, "drafter.ngram_max_n": 2, "serving.packed": "on",
+            "serving.steps_per_call": 4}
+    raw = {"deployment": "t", "model": "tiny", "sets": {"humaneval": 2}, "max_new_tokens": 6, "repeats": 1,
+           "batch_sizes": [2], "methods": [{"name": "served", "mechanisms": mech}]}
+    bench = bench_config_from_dict(raw)
+    assert bench.methods[0].mechanisms == tuple(sorted(mech.items()))
+    dec = protocol.DecoderCache(model, bench).get(bench.methods[0], 2, 16)
+    assert isinstance(dec, ServingDecoder) and dec.num_slots == 2 and dec.drafter is not None
+    result = protocol.run_bench(model, bench, progress=lambda s: None)
+    row = next(r for r in result["rows"] if r["method"] == "served")
+    assert row["lossless"] is True and row["equal_to_ar"] == 2 and row["tau"] is not None
+    with pytest.raises(ConfigError, match=r"methods\[0\]\.mechanisms\.serving\.bogus: not a parameter"):
+        bench_config_from_dict({**raw, "methods": [{"name": "s", "mechanisms": {"serving.bogus": 1}}]})
+    with pytest.raises(ConfigError, match=r"methods\[0\]\.mechanisms\.drafter\.k: 99 is not allowed"):
+        bench_config_from_dict({**raw, "methods": [{"name": "s", "mechanisms": {"drafter.k": 99}}]})
+    with pytest.raises(ConfigError, match=r"methods\[0\]: a mechanisms method .* drop k"):
+        bench_config_from_dict({**raw, "methods": [{"name": "s", "mechanisms": mech, "k": 3}]})

@@ -45,7 +45,7 @@ def _method_as_yaml(m) -> dict:
     for f in dataclasses.fields(m):
         value = getattr(m, f.name)
         if f.name != "name" and value != f.default:
-            out[f.name] = dict(value) if f.name == "memory" else value
+            out[f.name] = dict(value) if f.name in ("memory", "mechanisms") else value
     return out
 
 

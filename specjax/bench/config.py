@@ -29,6 +29,9 @@ class Method:
     # the searched config: the best validated record of the memory store whose deployment has these
     # fields (and the bench's model as its target), e.g. (("hardware", "h200"), ("batch", 1))
     memory: tuple[tuple[str, str | int], ...] | None = None
+    # a mechanism config spelled in the search registry's names (what a memory record keeps), run
+    # as the search runs it: batching mechanisms go through the continuous-batching engine
+    mechanisms: tuple[tuple[str, object], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,8 @@ def _method(where: str, m) -> Method:
         _fail(where, f"unknown field(s) {', '.join(sorted(extra))}")
     if m.get("memory") is not None:
         return _memory_method(where, m)
+    if m.get("mechanisms") is not None:
+        return _mechanisms_method(where, m)
     drafter = m.get("drafter")
     k = m.get("k", 0 if drafter is None else None)
     if drafter is not None and k is None:
@@ -172,3 +177,26 @@ def _memory_method(where: str, m: dict) -> Method:
     if kernels not in (None, *KERNELS):
         _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
     return Method(str(m["name"]), kernels=kernels, memory=tuple(sorted(fields.items())))
+
+
+def _mechanisms_method(where: str, m: dict) -> Method:
+    from specjax.search.registry import REGISTRY
+    config = m["mechanisms"]
+    if not isinstance(config, dict) or not config:
+        _fail(f"{where}.mechanisms", "expected a mapping of registry parameters (drafter.kind, serving.packed, ...)")
+    params = REGISTRY.params()
+    for name, value in config.items():
+        if name not in params:
+            _fail(f"{where}.mechanisms.{name}", "not a parameter of the search registry (known: "
+                  f"{', '.join(sorted(params))})")
+        if not params[name].admits(value):
+            allowed = (", ".join(map(str, params[name].values)) if params[name].values
+                       else f"{params[name].kind} in [{params[name].low}, {params[name].high}]")
+            _fail(f"{where}.mechanisms.{name}", f"{value!r} is not allowed (allowed: {allowed})")
+    mixed = sorted(set(m) - {"name", "mechanisms", "kernels"})
+    if mixed:
+        _fail(where, f"a mechanisms method takes its drafter and weights from the mapping; drop {', '.join(mixed)}")
+    kernels = m.get("kernels")
+    if kernels not in (None, *KERNELS):
+        _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
+    return Method(str(m["name"]), kernels=kernels, mechanisms=tuple(sorted(config.items())))

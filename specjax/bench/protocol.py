@@ -134,6 +134,9 @@ class DecoderCache:
         if key not in self._decoders and method.memory is not None:
             self._decoders[key] = searched_decoder(self.model, self.searched[method.name].config, self.gen,
                                                    method.kernels or self.cfg.kernels, batch)
+        elif key not in self._decoders and method.mechanisms is not None:
+            self._decoders[key] = searched_decoder(self.model, dict(method.mechanisms), self.gen,
+                                                   method.kernels or self.cfg.kernels, batch)
         elif key not in self._decoders:
             self._decoders[key] = make_decoder(self.model, method, self.gen, self.cfg.kernels)
         dec = self._decoders[key]

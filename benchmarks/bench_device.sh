@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the lent GPU, after `device_setup.sh build` (same warm machine): one part of a bench run.
+#   bash benchmarks/bench_device.sh CONFIG FINISH_BY_S          first part -> $OUT/bench
+#   bash benchmarks/bench_device.sh CONFIG FINISH_BY_S resume   the units the last part skipped,
+#                                                              joined with it -> $OUT/bench
+# Each part keeps a copy of its bench.json in /tmp/prev for the next part (docs/results.md).
+set -euo pipefail
+config=$1 finish_by=$2
+export PYTHONPATH=/tmp/site:$PWD
+export SPECJAX_COMMIT=${SPECJAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+resume=()
+if [ "${3:-}" = resume ]; then resume=(--resume /tmp/prev/bench.json); fi
+mkdir -p "$OUT/bench" /tmp/prev
+python -u -c "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))" bench "$config" \
+  --prompts-from /tmp/stash/prompts_h200.json --finish-by-s "$finish_by" "${resume[@]}" --out "$OUT/bench" \
+  2>&1 | grep -v "Loading weights" | tee "$OUT/bench/bench.log"
+cp "$OUT/bench/bench.json" /tmp/prev/bench.json
