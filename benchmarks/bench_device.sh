@@ -13,5 +13,5 @@ if [ "${3:-}" = resume ]; then resume=(--resume /tmp/prev/bench.json); fi
 mkdir -p "$OUT/bench" /tmp/prev
 python -u -c "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))" bench "$config" \
   --prompts-from /tmp/stash/prompts_h200.json --finish-by-s "$finish_by" "${resume[@]}" --out "$OUT/bench" \
-  2>&1 | grep -v "Loading weights" | tee "$OUT/bench/bench.log"
+  2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/bench/bench.log"
 cp "$OUT/bench/bench.json" /tmp/prev/bench.json

@@ -95,7 +95,7 @@ def _bf16_kernel(x_ref, w_ref, o_ref, *, steps, unroll):
 def _w12_kernel(x_ref, code_ref, lo_a_ref, lo_b_ref, o_ref, *, steps, unroll, base):
     def body(r, accs):
         x = x_ref[:, pl.ds(r, 1)].astype(jnp.float32)
-        ha, hb = high_bytes(code_ref[pl.ds(r, 1), :], base)
+        ha, hb = high_bytes(code_ref[pl.ds(r, 1), :], _U32(base * 0x01010101))
         vals = []
         for low, high in ((lo_a_ref[pl.ds(r, 1), :], ha), (lo_b_ref[pl.ds(r, 1), :], hb)):
             w02 = (low & _U32(0x00FF00FF)) | ((high << 8) & _U32(0xFF00FF00))  # bf16x2 {e0, e2}

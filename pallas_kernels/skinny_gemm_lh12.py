@@ -41,8 +41,12 @@ class Lh12GemmWeight:
     lo: jax.Array  # [Kp, 2 * Mp] uint32: elements 0-3 at [0, Mp), 4-7 at [Mp, 2 Mp)
     flag: jax.Array  # [nf] uint32, zero past the tensor so padded rows never escape
     ovbase: jax.Array  # [nf] uint32
-    ov: jax.Array  # [8 * n_escape + 8] uint32, flat; the last 8 words are a zero sentinel
+    ov: jax.Array  # [8 * rows] uint32, flat: n_escape rows, then zero rows (the last is the sentinel)
     tile_escapes: jax.Array  # [Kp / block_k, Mp / block_m] int32: escape super-words per tile
+    # [1] uint32: base * 0x01010101. Data, not a static kernel parameter, and `ov` padded to a
+    # power-of-two row count: tensors of one shape then share one compiled kernel (a kernel per
+    # tensor cost ~7 minutes of Triton compiles for SmolLM2's 120 matrices on the H200, 2026-12-07)
+    base_word: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     base: int = dataclasses.field(metadata=dict(static=True))
     config: GemmConfig = dataclasses.field(metadata=dict(static=True))
@@ -50,6 +54,7 @@ class Lh12GemmWeight:
     # the planes encode W[:, to_stored_order] (see `natural_order`): the kernel's output columns
     # come out in natural order, with no transpose after the GEMM
     natural: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    n_escape: int = dataclasses.field(default=-1, metadata=dict(static=True))  # -1: ov has no zero padding
 
     @property
     def segments_per_row(self) -> int:
@@ -120,15 +125,24 @@ def prepare_lh12(p: Packed12, config: GemmConfig, interpret: bool = False,
     return Lh12GemmWeight(
         code=pad2(p.code), lo=jnp.concatenate([pad2(lo[:, :g.m]), pad2(lo[:, g.m:])], axis=1),
         flag=pad1(p.flag), ovbase=pad1(p.ovbase),
-        ov=jnp.concatenate([jnp.asarray(p.ov, jnp.uint32).reshape(-1), jnp.zeros(SEG_WORDS, jnp.uint32)]),
-        tile_escapes=jnp.asarray(tiles.sum(axis=(1, 3)), jnp.int32),
-        shape=p.shape, base=p.base, config=config, interpret=interpret, natural=natural)
+        ov=jnp.pad(jnp.asarray(p.ov, jnp.uint32).reshape(-1), (0, SEG_WORDS * (ov_rows(p.n_escape) - p.n_escape))),
+        tile_escapes=jnp.asarray(tiles.sum(axis=(1, 3)), jnp.int32), base_word=base_word(p.base),
+        shape=p.shape, base=p.base, config=config, interpret=interpret, natural=natural, n_escape=p.n_escape)
 
 
-def high_bytes(code, base: int):
-    """Code words -> high bytes of elements 0-3 (ha) and 4-7 (hb), four per word.
-    H = sign << 7 | (base + offset); base + 7 <= 127, so the byte-wise add never carries."""
-    b4 = _U32(base * 0x01010101)
+def ov_rows(n_escape: int) -> int:
+    """Rows of the padded overflow plane: a power of two with room for the zero sentinel."""
+    return 1 << n_escape.bit_length()
+
+
+def base_word(base: int) -> jax.Array:
+    return jnp.full((1,), base * 0x01010101, jnp.uint32)
+
+
+def high_bytes(code, b4):
+    """Code words -> high bytes of elements 0-3 (ha) and 4-7 (hb), four per word; b4 is the
+    window base in every byte (base * 0x01010101). H = sign << 7 | (base + offset); base + 7 <= 127,
+    so the byte-wise add never carries."""
     ha = ((code & _U32(0x07070707)) + b4) | ((code << 4) & _U32(0x80808080))
     hb = (((code >> 4) & _U32(0x07070707)) + b4) | (code & _U32(0x80808080))
     return ha, hb
@@ -194,8 +208,8 @@ def escaped_high_bytes(esc, ovw, code, ha, hb):
     return ha, hb
 
 
-def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, o_ref, *,
-                 g: Geometry, cfg: GemmConfig, base: int, segs: int, t: int,
+def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, base_ref, o_ref, *,
+                 g: Geometry, cfg: GemmConfig, segs: int, t: int,
                  interpret: bool):
     j, s = pl.program_id(0), pl.program_id(1)
     bk, bm = cfg.block_k, cfg.block_m
@@ -246,7 +260,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         code = code_ref[pl.ds(k0, bk), pl.ds(m0, bm)]
         lo_a = lo_ref[pl.ds(k0, bk), pl.ds(m0, bm)]
         lo_b = lo_ref[pl.ds(k0, bk), pl.ds(pl.multiple_of(g.mp + m0, bm), bm)]
-        ha, hb = high_bytes(code, base)
+        ha, hb = high_bytes(code, base_ref[0])
         fix = {"superword": patch,
                "segment": functools.partial(patch_by_segment, masked=False),
                "masked": functools.partial(patch_by_segment, masked=True)}[cfg.escape_lookup]
@@ -276,7 +290,7 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")
     t = x.shape[0]
     cfg = lw.config.for_rows(t)
-    kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, base=lw.base, segs=lw.segments_per_row,
+    kernel = functools.partial(_lh12_kernel, g=g, cfg=cfg, segs=lw.segments_per_row,
                                t=t, interpret=lw.interpret)
     partials = pl.pallas_call(
         kernel,
@@ -285,7 +299,7 @@ def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
         compiler_params=compiler_params(cfg, lw.interpret),
         interpret=lw.interpret,
         name="skinny_gemm_lh12",
-    )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes)
+    )(as_operand(x, g), lw.code, lw.lo, lw.flag, lw.ovbase, lw.ov, lw.tile_escapes, lw.base_word)
     if lw.natural:  # stored order is W's own column order
         y = sum_partials(partials)
         return y if STRIPES * g.mp == g.n else y[:, :g.n]
@@ -307,7 +321,7 @@ def unprepare_lh12(lw: Lh12GemmWeight) -> Packed12:
     g = Geometry.of(lw.shape, lw.config)
     segs = lw.segments_per_row
     nflag = -(-g.k * segs // LAYOUT.flag_bits)
-    n_escape = (lw.ov.shape[0] - SEG_WORDS) // SEG_WORDS
+    n_escape = lw.n_escape if lw.n_escape >= 0 else (lw.ov.shape[0] - SEG_WORDS) // SEG_WORDS
     lo = jnp.concatenate([lw.lo[:g.k, :g.m], lw.lo[:g.k, g.mp:g.mp + g.m]], axis=1)
     return Packed12(lo=lo, code=lw.code[:g.k, :g.m], flag=lw.flag[:nflag], ovbase=lw.ovbase[:nflag],
                     ov=lw.ov[:n_escape * SEG_WORDS].reshape(n_escape, SEG_WORDS),

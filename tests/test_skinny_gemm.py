@@ -218,3 +218,27 @@ def test_wide_settings_must_keep_numerics_and_layout():
         prepare_lh12(encode(np.zeros((64, 512), np.uint16)), narrow, interpret=True)
     # a cache round trip: the nested config comes back from its dict
     assert GemmConfig(**dataclasses.asdict(narrow)) == narrow
+
+
+def test_one_kernel_serves_every_lh12_tensor_of_a_shape():
+    """The window base is data and `ov` is padded to a power-of-two row count, so two tensors of
+    one shape with other bases and escape counts lower to the same kernel (one Triton compile for
+    all of a model's layers, not one per tensor), and both still equal the bf16 kernel bitwise."""
+    rng = np.random.default_rng(21)
+    k, n = 64, 256
+    cfg = GemmConfig(block_n=128, block_k=32, split_k=2)
+    x = jnp.asarray(rng.normal(0, 1, (3, k)), jnp.bfloat16)
+    jaxprs = []
+    for scale, n_specials in ((1e-3, 2), (3.0, 3)):
+        a = np.clip(np.abs(rng.normal(0, 1, (k, n))), 2.0 ** -6, 2.0 ** 5)  # 12 exponents: inside a window
+        w = (scale * a * rng.choice([-1, 1], (k, n))).astype(ml_dtypes.bfloat16).view(np.uint16)
+        w.reshape(-1)[rng.choice(w.size // 64, n_specials, replace=False) * 64] = 0x4780  # 2^16: one escape each
+        p = encode(w)
+        lw = prepare_lh12(p, cfg, interpret=True)
+        assert p.n_escape == n_specials and lw.ov.shape == (8 * 4,)
+        jaxprs.append((p.base, str(jax.make_jaxpr(skinny_gemm_lh12)(x, lw))))
+        y16 = skinny_gemm(x, prepare_bf16(jnp.asarray(w.view(ml_dtypes.bfloat16)), cfg, interpret=True))
+        np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, lw)), bits(y16))
+        assert unprepare_lh12(lw).ov.shape == (n_specials, 8)
+    (base_a, jaxpr_a), (base_b, jaxpr_b) = jaxprs
+    assert base_a != base_b and jaxpr_a == jaxpr_b

@@ -3,10 +3,10 @@
 As `tp_kernels.py` does for bf16, each device holds one shard of the matrix, columns
 (w_qkv, w_gate_up, lm_head) or rows (w_o, w_down), and runs its own skinny GEMM in `shard_map`.
 Here each shard is packed on its own: its planes are those `encode_jax` gives for the [K, N / n]
-or [K / n, N] block, stacked along a leading device axis that the mesh splits. The exponent
-window base is static inside the kernel, which `shard_map` traces once for every device, so
-the shards share one base: the whole tensor's (a shard's escapes follow from its own segments
-under that base, so each shard still round-trips exactly). The escape overflow words, whose
+or [K / n, N] block, stacked along a leading device axis that the mesh splits. The shards share
+one exponent window base, the whole tensor's (the static `base` that unpacking keeps is one per
+weight); a shard's escapes follow from its own segments under that base, so each shard still
+round-trips exactly. The escape overflow words, whose
 count differs per shard, are zero-padded to the longest; the padding lies past every rank, and
 the kernel's all-zero sentinel stays the last 8 words.
 
@@ -29,7 +29,7 @@ from specjax.sharding.tp import TP_AXIS
 from specjax.sharding.tp_kernels import local_shape, split_of
 from specjax.weights.lh12 import LAYOUT, encode_jax, plan_base_jax
 
-PLANES = ("code", "lo", "flag", "ovbase", "ov", "tile_escapes")
+PLANES = ("code", "lo", "flag", "ovbase", "ov", "tile_escapes", "base_word")
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +43,7 @@ class TPLh12Weight:
     ovbase: jax.Array
     ov: jax.Array
     tile_escapes: jax.Array
+    base_word: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))  # the whole [K, N]
     mode: str = dataclasses.field(metadata=dict(static=True))  # "column" or "row"
     base: int = dataclasses.field(metadata=dict(static=True))
