@@ -3,7 +3,8 @@
 #   bash benchmarks/bench_device.sh CONFIG FINISH_BY_S          first part -> $OUT/bench
 #   bash benchmarks/bench_device.sh CONFIG FINISH_BY_S resume   the units the last part skipped,
 #                                                              joined with it -> $OUT/bench
-# Each part keeps a copy of its bench.json in /tmp/prev for the next part (docs/results.md).
+# Each part keeps a copy of its bench.json in /tmp/prev for the next part, and its compiled programs
+# in /tmp/jax_cache, so a resumed part loads the decoders the first one compiled (docs/results.md).
 set -euo pipefail
 config=$1 finish_by=$2
 export PYTHONPATH=/tmp/site:$PWD
@@ -13,5 +14,6 @@ if [ "${3:-}" = resume ]; then resume=(--resume /tmp/prev/bench.json); fi
 mkdir -p "$OUT/bench" /tmp/prev
 python -u -c "import sys; from specjax.cli import main; sys.exit(main(sys.argv[1:]))" bench "$config" \
   --prompts-from /tmp/stash/prompts_h200.json --finish-by-s "$finish_by" "${resume[@]}" --out "$OUT/bench" \
+  --compile-cache /tmp/jax_cache \
   2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/bench/bench.log"
 cp "$OUT/bench/bench.json" /tmp/prev/bench.json

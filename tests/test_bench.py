@@ -339,3 +339,21 @@ def test_a_mechanisms_method_runs_its_config_as_the_search_would():
         bench_config_from_dict({**raw, "methods": [{"name": "s", "mechanisms": {"drafter.k": 99}}]})
     with pytest.raises(ConfigError, match=r"methods\[0\]: a mechanisms method .* drop k"):
         bench_config_from_dict({**raw, "methods": [{"name": "s", "mechanisms": mech, "k": 3}]})
+
+
+def test_compile_cache_keeps_compiled_programs(tmp_path):
+    """--compile-cache: a program compiled once is written to the directory (so a later part of a
+    run on the same machine loads it instead of compiling it again)."""
+    from jax._src import compilation_cache
+    from specjax.bench.cli import enable_compile_cache
+    before = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                                              "jax_persistent_cache_min_entry_size_bytes")}
+    try:
+        compilation_cache.reset_cache()
+        enable_compile_cache(str(tmp_path / "cache"))
+        jax.jit(lambda a: a * 3 + 1)(jax.numpy.arange(7.0)).block_until_ready()
+        assert any((tmp_path / "cache").iterdir())
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()

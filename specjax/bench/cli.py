@@ -34,6 +34,9 @@ def add_bench_parser(sub) -> None:
                         "for, and write it joined with them to --out (a run split over device calls)")
     b.add_argument("--merge", nargs="+", metavar="BENCH_JSON",
                    help="merge bench.json files of one config run in parts (by sets) into --out, and stop")
+    b.add_argument("--compile-cache", metavar="DIR",
+                   help="keep compiled programs in DIR (JAX's persistent cache): the parts of a run split over "
+                        "calls on one machine compile each decoder once")
     b.add_argument("--memory", default="memory_store",
                    help="memory store the config's memory methods (searched configs) read their records from")
     b.set_defaults(func=cmd_bench)
@@ -47,6 +50,16 @@ def _method_as_yaml(m) -> dict:
         if f.name != "name" and value != f.default:
             out[f.name] = dict(value) if f.name in ("memory", "mechanisms") else value
     return out
+
+
+def enable_compile_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in `directory`, for every program however quick to
+    compile (a bench's decoders are many programs of a few seconds each)."""
+    import jax
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def cmd_bench(args) -> int:
@@ -102,6 +115,8 @@ def cmd_bench(args) -> int:
     commit = code_commit()  # the code that runs: read before the run, which can outlast a commit
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": commit}
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     if cfg.matmul_precision:
         jax.config.update("jax_default_matmul_precision", cfg.matmul_precision)
     meta["matmul_precision"] = jax.config.jax_default_matmul_precision
