@@ -7,11 +7,16 @@ the masked softmax over the whole view were most of a step's fixed cost
 (docs/results/serving_h200.md). Here one Pallas kernel per layer reads each row's live pages once:
 
 - rows: for each KV head, the row's W * G query rows (W token columns, G query heads per KV head,
-  row = w * G + g), in chunks of 16 (one tensor-core dot of [16, head_dim] x [head_dim, page_size]
-  per page);
-- grid (block-table rows, KV heads, row chunks, splits): a row's page list is cut into splits of
-  `pages_per_split` pages, each a program running an online softmax over its pages, stopping at
-  the row's last live page (flash-decoding: enough programs to stream at batch 1);
+  row = w * G + g), in chunks of 16 (one tensor-core dot of [16, head_dim] x [head_dim, block_s]
+  per block of positions);
+- grid (block-table rows, KV heads, row chunks, splits): a row's positions are cut into splits of
+  `split_s`, each a program running an online softmax over blocks of `block_s` positions, stopping
+  at the row's `kv_len` (flash-decoding: enough programs to stream at batch 1). A block's K and V
+  rows are gathered through a per-position table (page * page_size + offset), so a block spans
+  pages. The blocks, the splits and the per-block arithmetic (`online_softmax_block`) are
+  `decode_attention`'s, and so are the defaults: a served token's attention rounds exactly as the
+  engine's AR step over a dense cache does (the H200 bench's forcing gate failed a page-at-a-time
+  online softmax, 2026-12-07);
 - masks are positional and ragged: a query at position p sees the row's positions <= p, and no
   position at or past the row's `kv_len` (pages are reused: past it a page holds another request's
   leftovers, possibly NaN, so V is zeroed there: 0 * NaN would poison the sum);
@@ -22,7 +27,7 @@ the masked softmax over the whole view were most of a step's fixed cost
 - the splits' (max, sum, output) partials are combined in XLA in split order
   (`decode_attention.combine_splits`).
 
-`pages_per_split` is numerics; `num_warps` and `num_stages` are speed only.
+`block_s` and `split_s` are numerics; `num_warps` and `num_stages` are speed only.
 """
 
 from __future__ import annotations
@@ -34,58 +39,51 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention import MASKED, ROWS, _compiler_params, combine_splits
+from pallas_kernels.decode_attention import (MASKED, ROWS, AttentionConfig, _compiler_params, combine_splits,
+                                             online_softmax_block, online_softmax_init)
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionConfig:
-    """Tuning config of `paged_attention`."""
+    """Tuning config of `paged_attention`; the numerics default to `decode_attention`'s."""
 
-    pages_per_split: int = 8  # pages per program (numerics: where the splits cut)
+    block_s: int = AttentionConfig.block_s  # positions per online-softmax step (numerics)
+    split_s: int = AttentionConfig.split_s  # positions per program (numerics), a multiple of block_s
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
-        if self.pages_per_split < 1:
-            raise ValueError(f"pages_per_split must be >= 1, got {self.pages_per_split}")
+        if self.block_s < 16 or self.block_s & (self.block_s - 1) or self.split_s % self.block_s:
+            raise ValueError(f"block_s must be a power of two >= 16 dividing split_s: {self}")
 
 
-def _kernel(q_ref, k_ref, v_ref, pages_ref, limit_ref, bits_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
-            cfg: PagedAttentionConfig, page_size: int, scale: float):
+def _kernel(q_ref, k_ref, v_ref, slots_ref, limit_ref, bits_ref, kv_len_ref, o_ref, m_ref, l_ref, *,
+            cfg: PagedAttentionConfig, scale: float):
     r, h, c, sp = (pl.program_id(i) for i in range(4))
+    bs = cfg.block_s
     rows = pl.ds(pl.multiple_of(c * ROWS, ROWS), ROWS)
     q = q_ref[r, h, rows, :]
     limit = limit_ref[r, rows]  # [ROWS]: positions below are visible (0 on padding rows)
     lo_bits, hi_bits = bits_ref[r, 0, rows], bits_ref[r, 1, rows]  # positions limit + 0..63
     kv_len = kv_len_ref[r]
-    first = sp * cfg.pages_per_split
-    live_pages = (kv_len + page_size - 1) // page_size
-    count = jnp.clip(live_pages - first, 0, cfg.pages_per_split)
+    lo = sp * cfg.split_s
+    hi = jnp.minimum(lo + cfg.split_s, kv_len)
+    nblocks = jnp.maximum(hi - lo + bs - 1, 0) // bs
 
     def body(i, carry):
-        o, m, l = carry
-        j = first + i
-        page = pages_ref[r, j]
-        pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
-        k = k_ref[page, :, h, :]
-        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-        rel = pos[None, :] - limit[:, None]  # [ROWS, page_size]
+        s0 = pl.multiple_of(lo + i * bs, bs)
+        pos = s0 + jnp.arange(bs, dtype=jnp.int32)
+        slot = slots_ref[r, pl.ds(s0, bs)]  # [bs] rows of the flattened pools
+        k = k_ref[slot, h, :]
+        v = v_ref[slot, h, :]
+        v = jnp.where((pos < kv_len)[:, None], v, jnp.zeros_like(v))
+        rel = pos[None, :] - limit[:, None]  # [ROWS, bs]
         word = jnp.where(rel < 32, lo_bits[:, None], hi_bits[:, None])
         bit = (word >> jnp.clip(rel & 31, 0, 31)) & 1
         visible = ((rel < 0) | ((rel < MAX_TREE) & (bit == 1))) & (pos[None, :] < kv_len)
-        scores = jnp.where(visible, scores, MASKED)
-        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.exp(scores - m_next[:, None])
-        v = v_ref[page, :, h, :]
-        v = jnp.where((pos < kv_len)[:, None], v, jnp.zeros_like(v))
-        o = correction[:, None] * o + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o, m_next, correction * l + jnp.sum(p, axis=1)
+        return online_softmax_block(q, k, v, visible, scale, carry)
 
-    hd = q.shape[-1]
-    init = (jnp.zeros((ROWS, hd), jnp.float32), jnp.full((ROWS,), MASKED, jnp.float32),
-            jnp.zeros((ROWS,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, count, body, init)
+    o, m, l = jax.lax.fori_loop(0, nblocks, body, online_softmax_init(q.shape[-1]))
     o_ref[r, h, sp, rows, :] = o
     m_ref[r, h, sp, rows] = m
     l_ref[r, h, sp, rows] = l
@@ -113,8 +111,8 @@ def check_shapes(q, k_pool, v_pool, pages, qpos, kv_len) -> None:
         problems.append(f"{Hq} query heads not a multiple of {Hkv} KV heads")
     if pages.shape[0] != R or qpos.shape != (R, W) or kv_len.shape != (R,):
         problems.append(f"block table {pages.shape}, qpos {qpos.shape}, kv_len {kv_len.shape} for {R} rows of {W}")
-    if page_size < 16 or page_size & (page_size - 1):
-        problems.append(f"page_size must be a power of two >= 16 (one tensor-core dot a page), got {page_size}")
+    if page_size < 1 or page_size & (page_size - 1):
+        problems.append(f"page_size must be a power of two, got {page_size}")
     if problems:
         raise ValueError("paged_attention: " + "; ".join(problems))
 
@@ -141,9 +139,12 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
     G = Hq // Hkv
     rows = W * G
     Rp = -(-rows // ROWS) * ROWS
-    splits = -(-pages.shape[1] // config.pages_per_split)
-    pad_pages = splits * config.pages_per_split - pages.shape[1]  # never read: past every live page
-    pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, pad_pages)))
+    S = pages.shape[1] * page_size
+    splits = -(-S // config.split_s)
+    # position -> row of the flattened pools; padding past the table is never visible (>= kv_len)
+    slots = (pages.astype(jnp.int32)[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)).reshape(R, S)
+    slots = jnp.pad(slots, ((0, 0), (0, splits * config.split_s - S)))
+    flat = lambda pool: pool.reshape((-1,) + pool.shape[2:])  # [num_pages * page_size, Hkv, hd]
     qr = q.astype(k_pool.dtype).reshape(R, W, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(R, Hkv, rows, hd)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
     real = qpos >= 0
@@ -159,7 +160,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
         return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, Rp - rows),))
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, cfg=config, page_size=page_size, scale=hd ** -0.5),
+        functools.partial(_kernel, cfg=config, scale=hd ** -0.5),
         out_shape=(jax.ShapeDtypeStruct((R, Hkv, splits, Rp, hd), f32),
                    jax.ShapeDtypeStruct((R, Hkv, splits, Rp), f32),
                    jax.ShapeDtypeStruct((R, Hkv, splits, Rp), f32)),
@@ -167,7 +168,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
         compiler_params=_compiler_params(config, interpret),
         interpret=interpret,
         name="paged_attention",
-    )(qr, k_pool, v_pool, pages, per_row(limit), per_row(bits), kv_len.astype(jnp.int32))
+    )(qr, flat(k_pool), flat(v_pool), slots, per_row(limit), per_row(bits), kv_len.astype(jnp.int32))
     out = combine_splits(o, m, l)
     # a row with no live position (kv_len 0: a block-table row with no token this step) sees
     # nothing: zeros, not 0 / 0

@@ -35,11 +35,11 @@ def ragged_case(seed: int, dtype, R=3, W=5, Hq=4, Hkv=2, hd=16, page_size=16, ma
     return cast(q), cast(k_pool), cast(v_pool), jnp.asarray(pages), jnp.asarray(qpos), jnp.asarray(kv_len)
 
 
-@pytest.mark.parametrize("seed,dtype,pages_per_split", [(0, jnp.float32, 2), (1, jnp.float32, 8),
-                                                        (2, jnp.bfloat16, 3)])
-def test_kernel_equals_reference(seed, dtype, pages_per_split):
+@pytest.mark.parametrize("seed,dtype,block_s,split_s", [(0, jnp.float32, 16, 32), (1, jnp.float32, 64, 256),
+                                                        (2, jnp.bfloat16, 32, 96)])
+def test_kernel_equals_reference(seed, dtype, block_s, split_s):
     q, k, v, pages, qpos, kv_len = ragged_case(seed, dtype)
-    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(pages_per_split=pages_per_split),
+    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(block_s=block_s, split_s=split_s),
                           interpret=True)
     want = paged_attention_reference(q, k, v, pages, qpos, kv_len)
     real = np.asarray(qpos >= 0)
@@ -69,7 +69,7 @@ def test_tree_masks_inside_segments_equal_reference(seed, nodes):
     qpos = jnp.asarray(np.where(np.arange(nodes)[None, :] < n[:, None], np.asarray(root)[:, None]
                                 + np.arange(nodes)[None, :], -1), jnp.int32)
     kv_len = root + jnp.asarray(n, jnp.int32)
-    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(pages_per_split=2), interpret=True,
+    got = paged_attention(q, k, v, pages, qpos, kv_len, PagedAttentionConfig(block_s=16, split_s=32), interpret=True,
                           root=root, ancestors=anc)
     want = paged_attention_reference(q, k, v, pages, qpos, kv_len, root=root, ancestors=anc)
     real = np.asarray(qpos >= 0)
@@ -83,6 +83,29 @@ def test_tree_masks_inside_segments_equal_reference(seed, nodes):
     np.testing.assert_array_equal(
         np.asarray(paged_attention(q, k, v, pages, qpos, kv_len, interpret=True, root=root, ancestors=chain))[real],
         np.asarray(paged_attention(q, k, v, pages, qpos, kv_len, interpret=True))[real])
+
+
+@pytest.mark.parametrize("seed,dtype,page_size", [(30, jnp.bfloat16, 16), (31, jnp.float32, 8), (32, jnp.bfloat16, 32)])
+def test_kernel_rounds_as_decode_attention_over_the_gathered_view(seed, dtype, page_size):
+    """A served token's attention, read through the block table, equals bit for bit what the
+    engine's AR step computes with `decode_attention` over a dense cache holding the same
+    positions (blocks of 64 spanning pages, splits of 256, the same per-block arithmetic), so
+    served tokens pass the forcing gate against that AR on a GPU too. A page-at-a-time online
+    softmax (the kernel before 2026-12-07) rounds differently."""
+    from pallas_kernels.decode_attention import decode_attention
+    q, k, v, pages, qpos, kv_len = ragged_case(seed, dtype, R=4, W=3, Hq=6, Hkv=2, hd=32, page_size=page_size,
+                                               max_pages=640 // page_size)
+    got = paged_attention(q, k, v, pages, qpos, kv_len, interpret=True)
+    R, P = pages.shape
+    view = lambda pool: pool[pages].reshape((R, P * page_size) + pool.shape[2:])
+    pos = jnp.arange(P * page_size)
+    live = pos[None, :] < kv_len[:, None]
+    v_view = jnp.where(live[:, :, None, None], view(v), 0)  # as the serving engine's view path
+    mask = (pos[None, None, :] <= qpos[:, :, None]) & live[:, None, :]
+    want = decode_attention(q, view(k), v_view, mask, kv_len, interpret=True)
+    real = np.asarray(qpos >= 0)
+    assert real.sum() > R and int(kv_len.max()) > 256  # several tokens, more than one split
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real])
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_width():
