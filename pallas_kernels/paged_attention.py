@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention import (MASKED, ROWS, AttentionConfig, _compiler_params, combine_splits,
+from pallas_kernels.decode_attention import (ROWS, AttentionConfig, _compiler_params, combine_splits,
                                              online_softmax_block, online_softmax_init)
 
 

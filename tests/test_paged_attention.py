@@ -4,7 +4,6 @@ a row's live positions, GQA, float32 and bfloat16; and bad shapes are refused by
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
