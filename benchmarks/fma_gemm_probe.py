@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,38 +24,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fma_gemm_prototype as fp  # noqa: E402
-from specjax.profiling import kernel_seconds  # noqa: E402
-from specjax.search.kernel_timer import KernelTimer, looped  # noqa: E402
+from gemm_probe_log import ProbeLog, per_call  # noqa: E402
+from specjax.search.kernel_timer import KernelTimer  # noqa: E402
 from specjax.search.kernel_tuner import tuned_config  # noqa: E402
 
 SHAPES = [(8192, 28672), (4096, 14336), (14336, 4096), (4096, 4096), (4096, 128256)]  # (K, N)
 # (config, target programs for the split)
 CONFIGS = [(fp.FmaConfig(128, unroll=4, num_warps=4), 1056), (fp.FmaConfig(128, unroll=8, num_warps=4), 528),
            (fp.FmaConfig(64, unroll=8, num_warps=2), 2112), (fp.FmaConfig(256, unroll=4, num_warps=8), 528)]
-T0 = time.time()
-OUT = Path(os.environ.get("OUT", "/tmp"))
-RES: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-             "rows": [], "errors": []}
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def save():
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "fma_gemm_probe.json").write_text(json.dumps(RES, indent=1))
-
-
-def per_call(gemm, x, ws) -> float:
-    reps = 4
-    return kernel_seconds(looped(gemm, reps), x, ws) / (reps * len(ws))
-
-
-def row(k, n, t, name, s, **extra):
-    r = {"shape": [k, n], "T": t, "kernel": name, "us": s * 1e6, "tbps": 2 * k * n / s / 1e12, **extra}
-    RES["rows"].append(r)
-    log(f"{k}x{n} T={t:<3d} {name:34s} {s * 1e6:8.1f} us {r['tbps']:.2f} TB/s {extra or ''}")
+PROBE = ProbeLog("fma_gemm_probe")
+T0, RES, log, save, row = PROBE.t0, PROBE.res, PROBE.log, PROBE.save, PROBE.row
 
 
 def run_shape(k, n, tokens, deadline, timer):

@@ -157,10 +157,23 @@ def _method(where: str, m) -> Method:
     weights = m.get("weights", "bf16")
     if weights not in ("bf16", "lh12"):
         _fail(f"{where}.weights", f"expected bf16 or lh12, got {weights!r}")
+    return Method(str(m["name"]), drafter, int(k or 0), tree, weights, _kernels(where, m))
+
+
+def _kernels(where: str, m: dict) -> str | None:
     kernels = m.get("kernels")
     if kernels not in (None, *KERNELS):
         _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
-    return Method(str(m["name"]), drafter, int(k or 0), tree, weights, kernels)
+    return kernels
+
+
+def _only_with(where: str, m: dict, field: str, takes: str) -> str | None:
+    """A method spelled by `field` (memory, mechanisms) takes nothing else but its name and
+    kernels -> its kernels."""
+    mixed = sorted(set(m) - {"name", field, "kernels"})
+    if mixed:
+        _fail(where, f"a {field} method takes {takes}; drop {', '.join(mixed)}")
+    return _kernels(where, m)
 
 
 def _memory_method(where: str, m: dict) -> Method:
@@ -170,12 +183,7 @@ def _memory_method(where: str, m: dict) -> Method:
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             _fail(f"{where}.memory.{key}", f"expected a string or an integer, got {value!r}")
-    mixed = sorted(set(m) - {"name", "memory", "kernels"})
-    if mixed:
-        _fail(where, f"a memory method takes its mechanisms from the record; drop {', '.join(mixed)}")
-    kernels = m.get("kernels")
-    if kernels not in (None, *KERNELS):
-        _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
+    kernels = _only_with(where, m, "memory", "its mechanisms from the record")
     return Method(str(m["name"]), kernels=kernels, memory=tuple(sorted(fields.items())))
 
 
@@ -193,10 +201,5 @@ def _mechanisms_method(where: str, m: dict) -> Method:
             allowed = (", ".join(map(str, params[name].values)) if params[name].values
                        else f"{params[name].kind} in [{params[name].low}, {params[name].high}]")
             _fail(f"{where}.mechanisms.{name}", f"{value!r} is not allowed (allowed: {allowed})")
-    mixed = sorted(set(m) - {"name", "mechanisms", "kernels"})
-    if mixed:
-        _fail(where, f"a mechanisms method takes its drafter and weights from the mapping; drop {', '.join(mixed)}")
-    kernels = m.get("kernels")
-    if kernels not in (None, *KERNELS):
-        _fail(f"{where}.kernels", f"expected one of {', '.join(KERNELS)}, got {kernels!r}")
+    kernels = _only_with(where, m, "mechanisms", "its drafter and weights from the mapping")
     return Method(str(m["name"]), kernels=kernels, mechanisms=tuple(sorted(config.items())))
