@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fma_gemm_prototype as fp  # noqa: E402
 from gemm_probe_log import ProbeLog, per_call  # noqa: E402
 from specjax.search.kernel_timer import KernelTimer  # noqa: E402
-from specjax.search.kernel_tuner import tuned_config  # noqa: E402
 
 SHAPES = [(8192, 28672), (4096, 14336), (14336, 4096), (4096, 4096), (4096, 128256)]  # (K, N)
 # (config, target programs for the split)
@@ -47,12 +46,7 @@ def run_shape(k, n, tokens, deadline, timer):
     for t in tokens:
         if time.time() > deadline:
             return
-        for fmt in ("xla", "bf16", "lh12"):  # the engine's kernels, on their own random weights
-            try:
-                cfg = tuned_config((k, n), "bf16" if fmt == "xla" else fmt)
-                row(k, n, t, f"engine_{fmt}", timer((k, n), fmt, cfg, t))
-            except Exception as e:  # noqa: BLE001 - record and go on
-                RES["errors"].append(f"engine {fmt} {k}x{n} T{t}: {e!r}"[:600])
+        PROBE.engine_rows(k, n, t, timer)
         x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.float32).astype(jnp.bfloat16)
         ref = x.astype(jnp.float32) @ wts[0].astype(jnp.float32)
         for cfg, target in CONFIGS:
@@ -106,9 +100,7 @@ def main():
                   f"{v['fma_w12_'] / v['fma_bf16_']:7.2f} {v['fma_bf16_'] / v['engine_bf16']:7.2f}  "
                   f"{'exact' if ok else 'DIFF'}  {(rs['fma_bf16_'] or {}).get('kernel', '-')[9:]} | "
                   f"{(rs['fma_w12_'] or {}).get('kernel', '-')[8:]}")
-    print("errors:", len(RES["errors"]))
-    for e in RES["errors"][:6]:
-        print(" ", e[:600])
+    PROBE.print_errors()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,22 @@ class ProbeLog:
         self.res["rows"].append(r)
         self.log(f"{k}x{n} T={t:<3d} {name:34s} {s * 1e6:8.1f} us {r['tbps']:.2f} TB/s {extra or ''}")
 
+    def engine_rows(self, k, n, t, timer):
+        """XLA's GEMM and the engine's bf16 and 12-bit kernels (tuned configs, their own random
+        weights) at this shape and T; a failure is recorded and the probe goes on."""
+        from specjax.search.kernel_tuner import tuned_config
+        for fmt in ("xla", "bf16", "lh12"):
+            try:
+                cfg = tuned_config((k, n), "bf16" if fmt == "xla" else fmt)
+                self.row(k, n, t, f"engine_{fmt}", timer((k, n), fmt, cfg, t))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                self.res["errors"].append(f"engine {fmt} {k}x{n} T{t}: {e!r}"[:600])
+
+    def print_errors(self):
+        print("errors:", len(self.res["errors"]))
+        for e in self.res["errors"][:6]:
+            print(" ", e[:600])
+
 
 def per_call(gemm, x, ws) -> float:
     """Device seconds of one gemm(x, w) call: 4 rounds over every weight copy in one jit."""

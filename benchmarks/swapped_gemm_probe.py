@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swapped_gemm_prototype as sp  # noqa: E402
 from gemm_probe_log import ProbeLog, per_call  # noqa: E402
 from specjax.search.kernel_timer import KernelTimer, random_bits  # noqa: E402
-from specjax.search.kernel_tuner import tuned_config  # noqa: E402
 
 SHAPES = [(8192, 28672), (4096, 14336), (14336, 4096), (4096, 4096), (4096, 128256)]  # (K, N)
 CONFIGS = [sp.SwapConfig(128, 128, num_warps=4, num_stages=4), sp.SwapConfig(128, 256, num_warps=4, num_stages=3),
@@ -60,12 +59,7 @@ def run_shape(k, n, tokens, configs, deadline, timer, esc: bool):
     for t in tokens:
         if time.time() > deadline:
             return
-        for fmt in ("xla", "bf16", "lh12"):  # the engine's kernels, on their own random weights
-            try:
-                cfg = tuned_config((k, n), "bf16" if fmt == "xla" else fmt)
-                row(k, n, t, f"engine_{fmt}", timer((k, n), fmt, cfg, t))
-            except Exception as e:  # noqa: BLE001 - record and go on
-                RES["errors"].append(f"engine {fmt} {k}x{n} T{t}: {e!r}"[:600])
+        PROBE.engine_rows(k, n, t, timer)
         x = jax.random.normal(jax.random.PRNGKey(t), (t, k), jnp.float32).astype(jnp.bfloat16)
         ref = sp.reference(x, wts[0])
         for cfg in configs:
@@ -134,9 +128,7 @@ def main():
                 print(f"{'':>16} escape patch: no escapes {v['swap_w12_noesc_']:.2f}, normal weights "
                       f"{v['swap_w12_normal_']:.2f} ({r['escape_fraction']:.2%} segments; twin "
                       f"{v['swap_bf16_normal_']:.2f}; bitwise {r['bitwise_eq_bf16']})")
-    print("errors:", len(RES["errors"]))
-    for e in RES["errors"][:6]:
-        print(" ", e[:600])
+    PROBE.print_errors()
 
 
 if __name__ == "__main__":
