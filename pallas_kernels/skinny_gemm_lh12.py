@@ -281,10 +281,16 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         store_accs(o_ref, accs, g, cfg, t)
 
 
-@jax.jit
 def skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     """x [T, K] (used as bf16) @ decode(W) -> float32 [T, N], bitwise equal to `skinny_gemm` on the
-    decoded weight under a config with the same `numerics`."""
+    decoded weight under a config with the same `numerics`. The kernel reads neither `base` nor
+    `n_escape` as static values, so they are cleared before the jit: every tensor of one shape,
+    config and overflow bucket is then one trace and one kernel."""
+    return _skinny_gemm_lh12(x, dataclasses.replace(lw, base=0, n_escape=-1))
+
+
+@jax.jit
+def _skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     g = Geometry.of(lw.shape, lw.config)
     if x.ndim != 2 or x.shape[1] != g.k:
         raise ValueError(f"skinny_gemm_lh12: x is {list(x.shape)}, weight is {list(lw.shape)}")

@@ -222,8 +222,11 @@ def test_wide_settings_must_keep_numerics_and_layout():
 
 def test_one_kernel_serves_every_lh12_tensor_of_a_shape():
     """The window base is data and `ov` is padded to a power-of-two row count, so two tensors of
-    one shape with other bases and escape counts lower to the same kernel (one Triton compile for
-    all of a model's layers, not one per tensor), and both still equal the bf16 kernel bitwise."""
+    one shape with other bases and escape counts lower to the same kernel (one trace, one Triton
+    compile for all of a model's layers, not one per tensor), and both still equal the bf16 kernel
+    bitwise."""
+    from pallas_kernels.skinny_gemm_lh12 import _skinny_gemm_lh12
+    _skinny_gemm_lh12.clear_cache()
     rng = np.random.default_rng(21)
     k, n = 64, 256
     cfg = GemmConfig(block_n=128, block_k=32, split_k=2)
@@ -242,3 +245,4 @@ def test_one_kernel_serves_every_lh12_tensor_of_a_shape():
         assert unprepare_lh12(lw).ov.shape == (n_specials, 8)
     (base_a, jaxpr_a), (base_b, jaxpr_b) = jaxprs
     assert base_a != base_b and jaxpr_a == jaxpr_b
+    assert _skinny_gemm_lh12._cache_size() == 1  # one trace served both tensors
