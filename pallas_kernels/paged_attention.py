@@ -25,7 +25,10 @@ the masked softmax over the whole view were most of a step's fixed cost
   read from two 32-bit words per query row. A chain is the case root = p + 1 with no bits, so both
   run one mask rule: visible = (pos < limit) | bit(pos - limit), below kv_len;
 - the splits' (max, sum, output) partials are combined in XLA in split order
-  (`decode_attention.combine_splits`).
+  (`decode_attention.combine_splits`);
+- `paged_attention_masked` takes `decode_attention`'s dense [R, W, S] mask instead and turns it
+  into the same per-column rule (`mask_rules`): the hybrid target's forward, whose deferred-path
+  rows precede a chain or tree, builds masks that way.
 
 `block_s` and `split_s` are numerics; `num_warps` and `num_stages` are speed only.
 """
@@ -134,6 +137,51 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
                                   or root.shape != kv_len.shape):
         raise ValueError(f"paged_attention: ancestors {ancestors.shape} (at most {MAX_TREE} nodes), root "
                          f"{root.shape} for {qpos.shape} tokens")
+    R, W = qpos.shape
+    real = qpos >= 0
+    if ancestors is None:  # a chain: positions <= qpos, no tree bits
+        limit, bits = qpos + 1, jnp.zeros((R, 2, W), jnp.int32)
+    else:
+        limit = jnp.broadcast_to(root[:, None], (R, W))
+        bits = jnp.where(real[:, None, :], tree_bits(ancestors), 0)
+    limit = jnp.where(real, limit, 0).astype(jnp.int32)  # no token: nothing visible
+    return _paged_call(q, k_pool, v_pool, pages, limit, bits, kv_len, config, interpret)
+
+
+def mask_rules(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """mask [R, W, S] bool -> the kernel's rule for it, (limit [R, W], bits [R, 2, W]) int32:
+    visible = position < limit, or bit (position - limit) set. limit is a column's first position
+    not visible; the bits cover the MAX_TREE positions from there. Exact for every mask the engines
+    build (a visible prefix, then at most MAX_TREE positions with a pattern: chains, trees of at
+    most MAX_TREE nodes after the positions before their root, a deferred path's rows); a position
+    visible further on would be dropped."""
+    R, W, S = mask.shape
+    limit = jnp.where(jnp.all(mask, axis=-1), S, jnp.argmin(mask, axis=-1)).astype(jnp.int32)
+    at = limit[..., None] + jnp.arange(MAX_TREE, dtype=jnp.int32)  # [R, W, MAX_TREE]
+    after = jnp.take_along_axis(mask, jnp.minimum(at, S - 1), axis=-1) & (at < S)
+    return limit, tree_bits(after)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def paged_attention_masked(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
+                           mask: jax.Array, kv_len: jax.Array,
+                           config: PagedAttentionConfig = PagedAttentionConfig(),
+                           interpret: bool = False) -> jax.Array:
+    """`decode_attention`'s interface over a paged cache: mask [R, W, S] bool over the rows'
+    positions (S = P * page_size; of the shapes `mask_rules` takes) -> [R, W, Hq * hd]. The hybrid
+    target's attention layers in the serving engine (`models/hybrid.py`), whose forward builds
+    dense masks (a deferred path's rows ahead of a chain or tree)."""
+    R, W = q.shape[:2]
+    check_shapes(q, k_pool, v_pool, pages, jnp.zeros((R, W), jnp.int32), kv_len)
+    if mask.shape != (R, W, pages.shape[1] * k_pool.shape[1]):
+        raise ValueError(f"paged_attention_masked: mask {mask.shape} for {R} rows of {W} tokens over "
+                         f"{pages.shape[1]} pages of {k_pool.shape[1]}")
+    limit, bits = mask_rules(mask)
+    return _paged_call(q, k_pool, v_pool, pages, limit, bits, kv_len, config, interpret)
+
+
+def _paged_call(q, k_pool, v_pool, pages, limit, bits, kv_len, config: PagedAttentionConfig, interpret: bool):
+    """The kernel on per-column rules: limit [R, W], bits [R, 2, W] (0 and 0: nothing visible)."""
     R, W, Hq, hd = q.shape
     page_size, Hkv = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -147,13 +195,6 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: j
     flat = lambda pool: pool.reshape((-1,) + pool.shape[2:])  # [num_pages * page_size, Hkv, hd]
     qr = q.astype(k_pool.dtype).reshape(R, W, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(R, Hkv, rows, hd)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
-    real = qpos >= 0
-    if ancestors is None:  # a chain: positions <= qpos, no tree bits
-        limit, bits = qpos + 1, jnp.zeros((R, 2, W), jnp.int32)
-    else:
-        limit = jnp.broadcast_to(root[:, None], (R, W))
-        bits = jnp.where(real[:, None, :], tree_bits(ancestors), 0)
-    limit = jnp.where(real, limit, 0).astype(jnp.int32)  # no token: nothing visible
 
     def per_row(x):  # [..., W] -> [..., Rp]: row w * G + g, padded rows see nothing
         x = jnp.broadcast_to(x[..., None], x.shape + (G,)).reshape(x.shape[:-1] + (rows,))

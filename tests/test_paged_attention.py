@@ -107,6 +107,50 @@ def test_kernel_rounds_as_decode_attention_over_the_gathered_view(seed, dtype, p
     np.testing.assert_array_equal(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real])
 
 
+@pytest.mark.parametrize("seed,dtype,page_size", [(40, jnp.float32, 8), (41, jnp.bfloat16, 16)])
+def test_masked_form_rounds_as_decode_attention_with_that_mask(seed, dtype, page_size):
+    """The hybrid target's form: a dense mask as its forward builds one (a deferred path's causal
+    rows ahead of a random tree's nodes) equals `decode_attention` with that mask over the gathered
+    view, bit for bit; and `mask_rules` gives back exactly the mask's visible positions."""
+    from pallas_kernels.decode_attention import decode_attention
+    from pallas_kernels.paged_attention import mask_rules, paged_attention_masked
+    from specjax.trees.tree import Tree
+    rng = np.random.default_rng(seed)
+    R, D, N, Hq, Hkv, hd, P = 3, 3, 9, 4, 2, 16, 320 // page_size
+    S = P * page_size
+    root = rng.integers(D, S - N, R)
+    pages = rng.permutation(np.arange(1, 1 + R * P)).reshape(R, P).astype(np.int32)
+    k, v = (rng.normal(size=(1 + R * P, page_size, Hkv, hd)).astype(np.float32) for _ in range(2))
+    for r in range(R):  # past a row's live positions a reused page holds garbage
+        dead = np.arange(S) >= root[r] + N
+        v.reshape(-1, Hkv, hd)[(pages[r][:, None] * page_size + np.arange(page_size)).reshape(-1)[dead]] = np.nan
+    q = jnp.asarray(rng.normal(size=(R, D + N, Hq, hd)), dtype)
+    k, v, pages = jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(pages)
+    parents = np.array([[-1] + [int(rng.integers(0, j)) for j in range(1, N)] for _ in range(R)], np.int32)
+    anc = np.asarray(Tree(jnp.zeros((R, N), jnp.int32), jnp.asarray(parents), N - 1).ancestors())
+    pos = np.arange(S)
+    mask = np.zeros((R, D + N, S), bool)
+    for r in range(R):
+        for d in range(D):  # the deferred path: positions root - D .. root - 1, causal
+            mask[r, d] = pos <= root[r] - D + d
+        rel = pos - root[r]
+        for j in range(N):
+            mask[r, D + j] = (rel < 0) | ((rel >= 0) & (rel < N) & anc[r, j, np.clip(rel, 0, N - 1)])
+    kv_len = jnp.asarray(root + N, jnp.int32)
+    mask = jnp.asarray(mask)
+    k_view = k[pages].reshape((R, S) + k.shape[2:])
+    v_view = jnp.where((pos[None, :] < kv_len[:, None])[:, :, None, None], v[pages].reshape((R, S) + v.shape[2:]), 0)
+    limit, bits = mask_rules(mask)
+    rel = pos[None, None, :] - limit[..., None]
+    word = jnp.where(rel < 32, bits[:, 0, :, None], bits[:, 1, :, None])
+    ruled = (rel < 0) | ((rel < 64) & (((word >> jnp.clip(rel & 31, 0, 31)) & 1) == 1))
+    np.testing.assert_array_equal(np.asarray(ruled), np.asarray(mask))
+    got = paged_attention_masked(q, k, v, pages, mask, kv_len, interpret=True)
+    want = decode_attention(q, k_view, v_view, mask, kv_len, interpret=True)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_width():
     q, k, v, pages, qpos, kv_len = ragged_case(4, jnp.float32)
     full = paged_attention(q, k, v, pages, qpos, kv_len, interpret=True)

@@ -234,27 +234,19 @@ def test_bad_requests_get_clear_errors():
         engine.submit([1, 2], 4)
     with pytest.raises(ConfigError, match="two_level_k1"):
         ServingEngine(cfg, params, NgramDrafter(k=2), options=ServingOptions(two_level_k1=2))
-    from specjax.models.hybrid import init_random_hybrid_params
-    from specjax.models.hybrid_config import HybridConfig
-    hcfg = HybridConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
-                        layer_types=("linear_attention", "full_attention"), num_heads=2, num_kv_heads=1,
-                        head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1,
-                        linear_key_head_dim=8, linear_value_head_dim=8, dtype="float32")
-    with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
-        ServingEngine(hcfg, init_random_hybrid_params(hcfg, jax.random.PRNGKey(0)), NgramDrafter(k=2),
-                      options=ServingOptions(attention="interpret"))
 
 
 def test_paged_attention_kernel_serves_exactly():
     """Verify steps through the ragged paged attention kernel (Pallas interpret mode), packed and
-    budgeted with two-level verification: token forcing passes; a poisoned request fails alone;
-    a page size the kernel cannot take is refused up front."""
+    budgeted with two-level verification: token forcing passes (pages of 8 positions: a kernel
+    block spans several); a poisoned request fails alone; a page size the kernel cannot take is
+    refused up front."""
     cfg, params = tiny_model(seed=4)
     rng = np.random.default_rng(9)
     prompts = random_prompts(rng, 4, 8, 3, 20)
     reference = Decoder(cfg, params, GenerationConfig(max_new_tokens=12)).generate(prompts)
     opts = ServingOptions(packed=True, budget=4, steps_per_call=4, two_level_k1=1, attention="interpret")
-    engine = ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=16,
+    engine = ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=8,
                            options=opts, forcing=True)
     assert_forcing(engine, prompts, reference, 12)
     poison = cfg.vocab_size - 1
@@ -264,8 +256,8 @@ def test_paged_attention_kernel_serves_exactly():
     good, bad = engine.submit(prompts[0], 12), engine.submit([1, 2, poison, 3], 12)
     results = engine.run()
     assert results[bad].status == "failed" and results[good].tokens == reference.tokens[0]
-    with pytest.raises(ConfigError, match="page_size a power of two >= 16"):
-        ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=64, page_size=8, options=opts)
+    with pytest.raises(ConfigError, match="page_size a power of two"):
+        ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=48, page_size=12, options=opts)
 
 
 def test_cancel_and_failing_request_leave_others_exact():

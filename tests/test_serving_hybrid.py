@@ -1,6 +1,7 @@
 """Hybrid (Gated DeltaNet + attention) targets in the serving engine (serving/hybrid_step.py):
 per-slot recurrent state, slots recycled while others run; every request passes token forcing
-and free-running equals the decoder's AR, chains and trees; what is not built says so."""
+and free-running equals the decoder's AR, chains and trees, over gathered page views or the
+paged attention kernel."""
 
 from __future__ import annotations
 
@@ -87,16 +88,18 @@ def test_hybrid_kernels_with_every_mechanism_pass_forcing(hybrid):
     assert_forcing(engine, prompts, reference, 14)
 
 
-@pytest.mark.parametrize("tree", [None, TreeSpec("topk", 5, 3)])
-def test_hybrid_failing_request_fails_alone_when_packed(hybrid, tree):
+@pytest.mark.parametrize("tree,attention", [(None, "xla"), (TreeSpec("topk", 5, 3), "xla"),
+                                            (TreeSpec("topk", 5, 3), "interpret")])
+def test_hybrid_failing_request_fails_alone_when_packed(hybrid, tree, attention):
     """A poisoned request (NaN embedding row) in slot 0, whose tokens come first in the packed
     bucket, fails; the request beside it still equals AR (the bucket's padding never carries one
-    slot's values into another's GDN tree or attention)."""
+    slot's values into another's GDN tree or attention; with the paged kernel, the failed
+    request's NaN K/V left in pages and the trash page never reach a live row)."""
     import dataclasses
     cfg, params, prompts, reference = hybrid
     poison = cfg.vocab_size - 1
     bad_params = dataclasses.replace(params, embed=params.embed.at[poison].set(float("nan")))
-    opts = ServingOptions(tree=tree, budget=3, packed=True, two_level_k1=1, steps_per_call=4)
+    opts = ServingOptions(tree=tree, budget=3, packed=True, two_level_k1=1, steps_per_call=4, attention=attention)
     engine = ServingEngine(cfg, bad_params, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2,
                            slot_len=48, page_size=8, options=opts)
     good = [p for p in range(len(prompts)) if poison not in prompts[p]][0]
@@ -117,11 +120,28 @@ def test_hybrid_free_running_equals_ar_with_slots_recycled(hybrid):
         assert [results[r].tokens for r in rids] == reference.tokens
 
 
-def test_hybrid_mechanisms_not_built_say_so(hybrid):
-    cfg, params, _, _ = hybrid
-    d = NgramDrafter(k=3, vocab_size=cfg.vocab_size)
-    with pytest.raises(NotImplementedError, match="hybrid targets in the serving engine"):
-        ServingEngine(cfg, params, d, page_size=16, options=ServingOptions(attention="interpret"))
+PAGED = {"ar": (None, ServingOptions(attention="interpret", steps_per_call=4)),
+         "chain": (3, ServingOptions(attention="interpret")),
+         "tree_budget_two_level": (3, ServingOptions(tree=TreeSpec("topk", 5, 3), budget=6, two_level_k1=2,
+                                                     attention="interpret")),
+         "all": (3, ServingOptions(tree=TreeSpec("topk", 5, 3), budget=5, packed=True, two_level_k1=2,
+                                   steps_per_call=4, attention="interpret"))}
+
+
+@pytest.mark.parametrize("mode", sorted(PAGED))
+def test_hybrid_paged_attention_kernel_passes_forcing(hybrid, mode):
+    """The attention layers on the ragged paged kernel (interpret mode), reading and writing the
+    page pools in place (no gathered views): every request passes token forcing, plain AR,
+    chains and trees, with the budget, packing, two levels and device-resident steps; pages of 4
+    positions, so a kernel block spans many pages; the decoder's own GDN kernels in "all"."""
+    import dataclasses
+    cfg, params, prompts, reference = hybrid
+    k, opts = PAGED[mode]
+    if mode == "all":
+        params = dataclasses.replace(params, kernels="interpret")
+    drafter = None if k is None else NgramDrafter(k=k, vocab_size=cfg.vocab_size)
+    engine = ServingEngine(cfg, params, drafter, num_slots=2, slot_len=48, page_size=4, options=opts, forcing=True)
+    assert_forcing(engine, prompts, reference, 14)
 
 
 @pytest.mark.parametrize("tree", [None, TreeSpec("topk", 6, 4)])

@@ -139,12 +139,15 @@ def hybrid(seed: int, tp: int):
         assert dec.generate(prompts).tokens == alone.tokens, f"hybrid kernels tp {tp} {label}: differ from one device"
     from specjax.serving import ServingEngine, ServingOptions
     from specjax.serving.forcing import check_serving_forcing
-    engine = ServingEngine(cfg, params, ngram, num_slots=2, slot_len=64, page_size=8, forcing=True, mesh=mesh,
-                           options=ServingOptions(budget=4, packed=True, steps_per_call=4, two_level_k1=1,
-                                                  tree=TreeSpec("topk", 5, 3)))
-    report = check_serving_forcing(engine, prompts, reference, 16, tolerance=TOL)
-    assert report.passed, f"hybrid serving tp {tp}: {report.summary()}"
-    print(f"ok hybrid serving seed {seed} tp {tp}, trees with every mechanism: {report.summary()}")
+    # attention over gathered page views (XLA), then the paged kernel split by KV heads
+    for attention in ("xla", "interpret"):
+        engine = ServingEngine(cfg, params, ngram, num_slots=2, slot_len=64, page_size=8, forcing=True, mesh=mesh,
+                               options=ServingOptions(budget=4, packed=True, steps_per_call=4, two_level_k1=1,
+                                                      tree=TreeSpec("topk", 5, 3), attention=attention))
+        report = check_serving_forcing(engine, prompts, reference, 16, tolerance=TOL)
+        assert report.passed, f"hybrid serving tp {tp} attention {attention}: {report.summary()}"
+        print(f"ok hybrid serving seed {seed} tp {tp}, trees with every mechanism, attention {attention}: "
+              f"{report.summary()}")
 
 
 def hybrid_kernels_split(seed: int, mesh):

@@ -35,9 +35,20 @@ def verify_two_level(verify_first, verify_later, cache, w1: int, w: int, promote
         return join(logits1, logits2), None if feats1 is None else join(feats1, feats2), cache2, pending
 
     shapes = jax.eval_shape(level2, cache1)
-    full = jax.lax.cond(jnp.any(promoted), level2,
-                        lambda c: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), cache1)
+
+    def skip(c):  # no row promoted: no second weight read; the cache stays level 1's
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return zeros[0], zeros[1], c, zeros[3]
+    full = jax.lax.cond(jnp.any(promoted), level2, skip, cache1)
 
     def pick(a, b):  # every leaf is batch-leading (logits, features, K/V, GDN states, paths)
         return jnp.where(promoted.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-    return jax.tree.map(pick, full, level1)
+    if getattr(cache1, "pages", None) is None:
+        return jax.tree.map(pick, full, level1)
+    # A paged cache's pools are shared by all rows (not batch-leading): keep level 2's. Level 2
+    # wrote only positions past level 1's nodes, and a row not promoted commits a path inside
+    # level 1's nodes, so it never reads those positions before a later step rewrites them.
+    pools = full[2].k, full[2].v
+    strip = lambda out: (out[0], out[1], out[2].replaced(k=[], v=[]), out[3])
+    logits, feats, cache, pending = jax.tree.map(pick, strip(full), strip(level1))
+    return logits, feats, cache.replaced(k=pools[0], v=pools[1]), pending

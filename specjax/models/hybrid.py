@@ -27,7 +27,7 @@ from specjax.models.linear import linear
 from specjax.models.rope import apply_rope
 from specjax.models.row_packing import pack_rows
 from specjax.models.transformer import dense_attention, causal_slot_mask
-from specjax.sharding.tp_hybrid import attention_kernel
+from specjax.sharding.tp_hybrid import attention_kernel, paged_attention_kernel
 
 
 @jax.tree_util.register_dataclass
@@ -80,10 +80,18 @@ class HybridCache:
     replay: jax.Array  # [B, R] int32 tokens, at slots (= positions) replay_start + 0 .. R - 1
     replay_len: jax.Array  # [B] int32: how many of them are real (0: none)
     replay_start: jax.Array  # [B] int32
+    # The serving engine's paged form (docs/design/serving_hybrid.md); None: the dense form above.
+    # k/v are then the shared page pools [num_pages, page_size, Hkv, hd], slot s of row b lives at
+    # offset s % page_size of page pages[b, s // page_size], and attention is the ragged paged
+    # kernel (`paged`: "pallas", or "interpret" on a CPU).
+    pages: jax.Array | None = None  # [B, P] int32 block table
+    paged: str = dataclasses.field(default="", metadata=dict(static=True))
 
     @property
     def num_slots(self) -> int:
-        return self.k[0].shape[1] if self.k else 0
+        if not self.k:
+            return 0
+        return self.k[0].shape[1] * (1 if self.pages is None else self.pages.shape[1])
 
     def replaced(self, **changes) -> "HybridCache":
         return dataclasses.replace(self, **changes)
@@ -137,9 +145,26 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     return jnp.concatenate([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], axis=-1)
 
 
-def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots: jax.Array | None) -> jax.Array:
+def paged_rows(pool: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """slots [B, T] of the rows of block table pages [B, P] -> their rows in the flattened pool
+    [num_pages * page_size, ...]; a slot outside the table maps past the pool (a write drops it)."""
+    page_size = pool.shape[1]
+    inside = (slots >= 0) & (slots < pages.shape[1] * page_size)
+    page = jnp.take_along_axis(pages, jnp.clip(slots // page_size, 0, pages.shape[1] - 1), axis=1)
+    return jnp.where(inside, page * page_size + slots % page_size, pool.shape[0] * page_size)
+
+
+def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots: jax.Array | None,
+           pages: jax.Array | None = None) -> jax.Array:
     """new [B, T, ...] at slots start .. start + T - 1, or at explicit `slots` [B, T] (a slot past
-    the buffer drops its row)."""
+    the buffer drops its row). pages: buf is a page pool read through this block table."""
+    if pages is not None:
+        if slots is None:
+            slots = start[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)[None, :]
+        flat = buf.reshape((-1,) + buf.shape[2:])
+        rows = paged_rows(buf, pages, slots).reshape(-1)
+        flat = flat.at[rows].set(new.reshape((-1,) + new.shape[2:]).astype(buf.dtype), mode="drop")
+        return flat.reshape(buf.shape)
     if slots is None:
         return write_rows(buf, new, start)
     rows = jnp.arange(buf.shape[0])[:, None]
@@ -148,17 +173,18 @@ def _write(buf: jax.Array, new: jax.Array, start: jax.Array, slots: jax.Array | 
 
 def _gated_attention(cfg: HybridConfig, p: AttnLayerParams, h, cos, sin, k_cache, v_cache, start, mask,
                      kernels: str = "xla", slots: jax.Array | None = None, kv_end: jax.Array | None = None,
-                     mesh=None):
+                     mesh=None, paged: tuple | None = None):
     """h [B, T, D] (normed) -> (out [B, T, D], new caches). Output scaled by sigmoid(gate) per channel.
     slots: where each row's K/V goes (default: contiguous from start); kv_end [B]: no slot at or
-    past it is visible (default start + T)."""
+    past it is visible (default start + T). paged: (block table, "pallas" | "interpret") when the
+    caches are page pools (`HybridCache.pages`)."""
     gated, k_cache, v_cache = _attention_gated(cfg, p, linear(h, p.w_qgkv), cos, sin, k_cache, v_cache, start,
-                                               mask, kernels, slots, kv_end, mesh)
+                                               mask, kernels, slots, kv_end, mesh, paged)
     return linear(gated, p.w_o), k_cache, v_cache
 
 
 def _attention_gated(cfg: HybridConfig, p: AttnLayerParams, qgkv, cos, sin, k_cache, v_cache, start, mask,
-                     kernels: str, slots, kv_end, mesh=None):
+                     kernels: str, slots, kv_end, mesh=None, paged: tuple | None = None):
     """`_gated_attention` between its two GEMMs: qgkv [B, T, w_qgkv columns] -> (attention output
     times sigmoid(gate) [B, T, q_size], new caches)."""
     B, T, _ = qgkv.shape
@@ -168,9 +194,13 @@ def _attention_gated(cfg: HybridConfig, p: AttnLayerParams, qgkv, cos, sin, k_ca
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     q = apply_partial_rope(q, cos, sin)
     k = apply_partial_rope(k, cos, sin)
-    k_cache = _write(k_cache, k, start, slots)
-    v_cache = _write(v_cache, v, start, slots)
-    if kernels == "xla":
+    pages = None if paged is None else paged[0]
+    k_cache = _write(k_cache, k, start, slots, pages)
+    v_cache = _write(v_cache, v, start, slots, pages)
+    if paged is not None:  # the ragged paged kernel reads the pools in place, masked as below
+        end = start + q.shape[1] if kv_end is None else kv_end
+        mixed = paged_attention_kernel(q, k_cache, v_cache, pages, mask, end, paged[1] == "interpret", mesh)
+    elif kernels == "xla":
         mixed = dense_attention(cfg, q, k_cache, v_cache, mask)  # reads num_heads, num_kv_heads, head_dim, q_size
     else:  # the fused kernel (any mask: causal or a tree's)
         end = start + q.shape[1] if kv_end is None else kv_end
@@ -249,6 +279,7 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
     cos, sin = rope_cos_sin(cfg, positions)
     new = cache.replaced(k=list(cache.k), v=list(cache.v), state=list(cache.state), conv=list(cache.conv),
                          replay_len=jnp.zeros_like(cache.replay_len))
+    paged = None if cache.pages is None else (cache.pages, cache.paged)
     attn_index = {layer: n for n, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: n for n, layer in enumerate(cfg.gdn_layers)}
     tapped, inputs = {}, {}
@@ -261,11 +292,11 @@ def hybrid_run(params: HybridParams, cfg: HybridConfig, tokens: jax.Array, posit
             n = attn_index[i]
             if packing is None:
                 out, new.k[n], new.v[n] = _gated_attention(cfg, p, h, cos, sin, new.k[n], new.v[n], start, mask,
-                                                           params.kernels, slots, kv_end, params.mesh)
+                                                           params.kernels, slots, kv_end, params.mesh, paged)
             else:  # the GEMMs on the bucket, attention over the rows
                 gated, new.k[n], new.v[n] = _attention_gated(cfg, p, to_rows(linear(h, p.w_qgkv)), cos, sin,
                                                              new.k[n], new.v[n], start, mask, params.kernels, slots,
-                                                             kv_end, params.mesh)
+                                                             kv_end, params.mesh, paged)
                 out = linear(to_flat(gated), p.w_o)
         else:
             n = gdn_index[i]

@@ -82,14 +82,24 @@ def chain_verify(params, cfg, tokens, positions, cache, start, taps, pack=None, 
                          chain_ancestors(B, N), N - 1, pack, prefix)
 
 
-def move_kv(k: list, v: list, path: jax.Array, start: jax.Array) -> tuple[list, list]:
-    """Move the accepted path's K/V from slots start + path[d] to start + d (d = 0..D)."""
+def move_kv(k: list, v: list, path: jax.Array, start: jax.Array, pages: jax.Array | None = None
+            ) -> tuple[list, list]:
+    """Move the accepted path's K/V from slots start + path[d] to start + d (d = 0..D). pages: the
+    buffers are page pools read through this block table (a hybrid cache's paged form)."""
     src = start[:, None] + path  # [B, D+1]
     dst = start[:, None] + jnp.arange(path.shape[1])[None, :]
     rows = jnp.arange(path.shape[0])[:, None]
 
     def move(buf):
         return buf.at[rows, dst].set(buf[rows, src])
+
+    def move_paged(pool):
+        from specjax.models.hybrid import paged_rows
+        flat = pool.reshape((-1,) + pool.shape[2:])
+        return flat.at[paged_rows(pool, pages, dst)].set(flat[paged_rows(pool, pages, src)],
+                                                         mode="drop").reshape(pool.shape)
+    if pages is not None:
+        move = move_paged
     return [move(x) for x in k], [move(x) for x in v]
 
 
@@ -98,7 +108,7 @@ def target_commit(params, cfg, cache, pending, path: jax.Array, num_accepted: ja
     """Make path[:, :num_accepted + 1] the committed prefix (path [B, D + 1] node indices, root
     first). A chain's nodes already sit in their slots (`is_chain`: no K/V move)."""
     if is_hybrid(cfg):
-        k, v = (cache.k, cache.v) if is_chain else move_kv(cache.k, cache.v, path, start)
+        k, v = (cache.k, cache.v) if is_chain else move_kv(cache.k, cache.v, path, start, cache.pages)
         if cache.replay.shape[1] != path.shape[1]:
             raise ValueError(f"the cache defers paths of {cache.replay.shape[1]} tokens, this step's are "
                              f"{path.shape[1]}: call with_replay_width(cfg, cache, {path.shape[1]}) first")

@@ -74,17 +74,14 @@ class ServingEngine:
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
                  mesh=None, shard_drafter: bool = False):
-        if is_hybrid(cfg) and options.attention != "xla":
-            raise NotImplementedError("hybrid targets in the serving engine: XLA's attention over the views "
-                                      "only (no paged attention kernel yet: docs/design/serving_hybrid.md)")
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:
             raise ConfigError(f"need num_slots >= 1 and slot_len a multiple of page_size, got "
                               f"num_slots={num_slots}, slot_len={slot_len}, page_size={page_size}")
         if forcing and not sampling.greedy:
             raise ConfigError("token forcing compares greedy choices; use temperature 0")
-        if options.attention != "xla" and (page_size < 16 or page_size & (page_size - 1)):
+        if options.attention != "xla" and page_size & (page_size - 1):
             raise ConfigError(f"attention={options.attention!r} (the paged attention kernel) needs page_size a "
-                              f"power of two >= 16, got {page_size}")
+                              f"power of two, got {page_size}")
         if options.attention == "pallas" and jax.devices()[0].platform != "gpu":
             raise ConfigError("attention='pallas' needs a GPU; use 'interpret' to run the kernel on a CPU, slowly")
         if mesh is not None:  # tensor parallelism: as engine.Decoder (docs/design/tensor_parallel.md)

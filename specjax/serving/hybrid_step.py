@@ -5,7 +5,9 @@ Each slot keeps its GDN states, conv windows and deferred accepted path in `Serv
 every slot's pages into a dense view, runs the decoder's own chain or tree step over the slots
 (`decoding.chain.chain_step`, `decoding.tree.tree_step`: replay of the deferred path, verify,
 accept, commit), and scatters the views back. The numerics are the decoder's, so each request's
-tokens are what `engine.Decoder` gives it. XLA's attention over the views; the budget, packing
+tokens are what `engine.Decoder` gives it. Attention: XLA's over the views, or (`attention`
+"pallas"/"interpret") the ragged paged kernel over the pools in place, with no views: the
+decoder's step then runs on the cache's paged form (`HybridCache.pages`). The budget, packing
 and two-level verification pass through to the decoder's steps (`num_drafts`, `packed_bucket`,
 `two_level_k1`, `two_level_tokens`; packing: `models/row_packing.py`, two levels:
 `decoding/two_level.py`).
@@ -77,8 +79,12 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
     B = seqs.length.shape[0]
     active = s.busy & ~seqs.done
     key, sub = jax.random.split(st.key)
-    k_views, v_views = _views(st.cache, s.pages, seqs.length - 1)
-    hcache = st.recurrent.replaced(k=k_views, v=v_views)
+    paged = opts.attention != "xla"
+    if paged:  # the attention layers read and write the pools in place (the paged kernel)
+        hcache = st.recurrent.replaced(k=st.cache.k, v=st.cache.v, pages=s.pages, paged=opts.attention)
+    else:
+        k_views, v_views = _views(st.cache, s.pages, seqs.length - 1)
+        hcache = st.recurrent.replaced(k=k_views, v=v_views)
     W = 1 if drafter is None else replay_width(opts, drafter.k)
     stats = ChainStats(rounds=jnp.zeros(B, jnp.int32), accepted_hist=jnp.zeros((B, W), jnp.int32))
     forced = s.forced if forcing else None
@@ -111,7 +117,7 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
     # the slot's own max_new (the decoder's rule is one max_new_tokens for the batch)
     over = active & (seqs.length - seqs.prompt_len >= s.max_new)
     seqs = dataclasses.replace(seqs, done=seqs.done | over)
-    cache = _scatter(st.cache, s.pages, hcache.k, hcache.v)
+    cache = PagedKVCache(k=hcache.k, v=hcache.v) if paged else _scatter(st.cache, s.pages, hcache.k, hcache.v)
     gained = jnp.where(active, seqs.length - before, 0)
     hist = s.accepted_hist.at[:, :W].add(stats.accepted_hist)
     rate = s.accept_rate
@@ -122,4 +128,4 @@ def verify_hybrid_step(params, cfg, drafter, gen: GenerationConfig, opts: Servin
                                 accepted_hist=hist, accept_rate=rate,
                                 forced=s.forced if forced is None else forced)
     return dataclasses.replace(st, slots=slots, cache=cache, dstate=dstate, key=key,
-                               recurrent=hcache.replaced(k=[], v=[]))
+                               recurrent=hcache.replaced(k=[], v=[], pages=None, paged=""))

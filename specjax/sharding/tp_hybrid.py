@@ -29,6 +29,19 @@ def attention_kernel(q, k_cache, v_cache, mask, end, interpret: bool, mesh=None)
     return kernel(q, k_cache, v_cache, mask, end)
 
 
+def paged_attention_kernel(q, k_pool, v_pool, pages, mask, end, interpret: bool, mesh=None):
+    """`paged_attention_masked` (q [B, T, Hq, hd], pools [num_pages, page_size, Hkv, hd], block
+    table pages [B, P]) -> [B, T, Hq * hd], split by KV heads over `mesh` where they divide (the
+    pools' head axis is axis 2 too)."""
+    from pallas_kernels.paged_attention import paged_attention_masked
+
+    def kernel(q, k, v, pages, mask, end):
+        return paged_attention_masked(q, k, v, pages, mask, end, interpret=interpret)
+    if splits_heads(mesh, k_pool.shape[2]):
+        return head_parallel(kernel, mesh, q, k_pool, v_pool, pages, mask, end)
+    return kernel(q, k_pool, v_pool, pages, mask, end)
+
+
 def tree_gdn_kernel(state, q, k, v, g, beta, ancestors, depth: int, interpret: bool, mesh=None):
     """`tree_gdn` (state [B, Hv, dk, dv], q/k/v [B, N, Hv, d], g/beta [B, N, Hv]) -> [B, N, Hv, dv]
     float32, split by value heads over `mesh` where they divide."""
