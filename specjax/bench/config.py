@@ -11,7 +11,16 @@ import yaml
 from specjax.bench.prompt_sets import PROMPT_SETS
 from specjax.errors import ConfigError
 
-PEERS = ("transformers_ar", "transformers_prompt_lookup")
+# transformers_early_exit:LAYERS: its assisted generation drafting with its own first LAYERS layers
+# (`assistant_early_exit`), the drafter our `layerskip:LAYERS` is
+PEERS = ("transformers_ar", "transformers_prompt_lookup", "transformers_early_exit:LAYERS")
+
+
+def _peer_ok(name) -> bool:
+    if name in PEERS[:2]:
+        return True
+    head, _, layers = str(name).partition(":")
+    return head == "transformers_early_exit" and layers.isdigit() and int(layers) >= 1
 KERNELS = ("auto", "xla", "pallas", "interpret")  # as Decoder takes them
 
 
@@ -127,7 +136,7 @@ def bench_config_from_dict(raw: dict, where: str = "bench config") -> BenchConfi
     if "peers" in raw:
         peers = raw["peers"] or []
         for i, p in enumerate(peers):
-            if p not in PEERS:
+            if not _peer_ok(p):
                 _fail(f"{where}: peers[{i}]", f"unknown peer {p!r}; known: {', '.join(PEERS)}")
         kw["peers"] = tuple(peers)
     return BenchConfig(**kw)

@@ -1,6 +1,11 @@
-"""The same weights and prompts in transformers (the PyTorch peer): its greedy AR and its
-prompt-lookup decoding, batch 1, exactly max_new_tokens each, in the bench's dtype and on the GPU
-where torch sees one (torch and transformers are optional dependencies, imported here only)."""
+"""The same weights and prompts in transformers (the PyTorch peer): its greedy AR, its
+prompt-lookup decoding and its assisted generation with an early-exit drafter (the model's own
+first LAYERS layers and head: the drafter our `layerskip:LAYERS` is, so the two frameworks run one
+speculative method; no smaller model shares SmolLM2's vocabulary), batch 1, exactly max_new_tokens
+each, in the bench's dtype and on the GPU where torch sees one (torch and transformers are
+optional dependencies, imported here only). Speculative peers draft PROMPT_LOOKUP_TOKENS tokens a
+step, a constant number (transformers' assistant would otherwise vary it and stop drafting below
+a confidence threshold), as our methods of that k do."""
 
 from __future__ import annotations
 
@@ -61,8 +66,20 @@ def load_transformers_model(model, dtype: str = "float32"):
 
 
 def make_peers(model, names: tuple[str, ...], dtype: str = "float32") -> dict[str, TransformersPeer]:
-    """model: our LoadedModel (its weights, exported)."""
+    """model: our LoadedModel (its weights, exported). names: as `bench.config.PEERS` spells them."""
     peer = load_transformers_model(model, dtype)
-    peers = {"transformers_ar": TransformersPeer(peer),
-             "transformers_prompt_lookup": TransformersPeer(peer, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)}
-    return {n: peers[n] for n in names}
+    out = {}
+    for name in names:
+        if name == "transformers_ar":
+            out[name] = TransformersPeer(peer)
+        elif name == "transformers_prompt_lookup":
+            out[name] = TransformersPeer(peer, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        elif name.startswith("transformers_early_exit:"):
+            layers = int(name.split(":", 1)[1])
+            if not 1 <= layers <= model.cfg.num_layers:
+                raise ConfigError(f"peer {name}: the model has {model.cfg.num_layers} layers")
+            out[name] = TransformersPeer(peer, assistant_early_exit=layers, num_assistant_tokens=PROMPT_LOOKUP_TOKENS,
+                                         num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        else:
+            raise ConfigError(f"unknown peer {name!r}")
+    return out
