@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specjax.models.target import (chain_ancestors, init_target_cache, move_kv, target_commit,  # noqa: E402
+from specjax.models.target import (chain_ancestors, init_target_cache, target_commit,  # noqa: E402
                                    target_forward, target_logits, target_verify, with_replay_width)
 from specjax.search.kernel_timer import median_seconds  # noqa: E402
 from specjax.trees.shape import TreeShape  # noqa: E402

@@ -3,7 +3,6 @@ fresh random shapes: equal to its reference within bf16 rounding, a row's result
 (AR and verify steps agree bit for bit), tree masks, and caches whose slots are no multiple of
 the block."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

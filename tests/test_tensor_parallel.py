@@ -11,13 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import tiny_model
-from specjax.decoding.sequences import GenerationConfig
-from specjax.engine import Decoder
 from specjax.errors import ConfigError
 from specjax.sharding.tp import TP_AXIS, param_shardings, param_spec, tp_mesh
 

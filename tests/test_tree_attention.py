@@ -2,7 +2,6 @@
 random trees: each node's row equals, bit for bit, the AR step that decodes the same token with
 its path at contiguous slots; equal to its reference within bf16 rounding; stale slots ignored."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

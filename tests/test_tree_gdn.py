@@ -2,7 +2,6 @@
 mode) against the plain recurrence run node by node from each parent's state, on fresh random
 trees and inputs; conv windows along paths. (The committed state: tests/test_hybrid_decoding.py.)"""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -243,7 +243,7 @@ def kernels_lh12(seed: int, tp: int):
     bf16 ones of one device bit for bit; the engine gives the sharded bf16 kernel engine's tokens
     exactly (the same arithmetic on the same weights) and passes token forcing."""
     from pallas_kernels.skinny_gemm import skinny_gemm
-    from specjax.sharding.tp_lh12 import TPLh12Weight, tp_gemm_lh12
+    from specjax.sharding.tp_lh12 import tp_gemm_lh12
     rng = np.random.default_rng(seed)
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
                       num_kv_heads=4, head_dim=16, max_position_embeddings=256, dtype="bfloat16")

@@ -91,15 +91,12 @@ def move_kv(k: list, v: list, path: jax.Array, start: jax.Array, pages: jax.Arra
     rows = jnp.arange(path.shape[0])[:, None]
 
     def move(buf):
-        return buf.at[rows, dst].set(buf[rows, src])
-
-    def move_paged(pool):
+        if pages is None:
+            return buf.at[rows, dst].set(buf[rows, src])
         from specjax.models.hybrid import paged_rows
-        flat = pool.reshape((-1,) + pool.shape[2:])
-        return flat.at[paged_rows(pool, pages, dst)].set(flat[paged_rows(pool, pages, src)],
-                                                         mode="drop").reshape(pool.shape)
-    if pages is not None:
-        move = move_paged
+        flat = buf.reshape((-1,) + buf.shape[2:])
+        return flat.at[paged_rows(buf, pages, dst)].set(flat[paged_rows(buf, pages, src)],
+                                                        mode="drop").reshape(buf.shape)
     return [move(x) for x in k], [move(x) for x in v]
 
 

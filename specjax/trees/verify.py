@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.kv_cache import KVCache
 from specjax.sampling import sample_from
 from specjax.trees.tree import Tree
 
