@@ -88,6 +88,23 @@ def test_hybrid_kernels_with_every_mechanism_pass_forcing(hybrid):
     assert_forcing(engine, prompts, reference, 14)
 
 
+def test_serving_decoder_runs_a_hybrid_target_on_its_kernels(hybrid):
+    """ServingDecoder(kernels="interpret") on a hybrid target: the decoder's attention and tree-GDN
+    kernels (its GEMMs stay XLA's, as engine.Decoder runs them), with the paged kernel; token
+    forcing against that engine's AR passes."""
+    from specjax.forcing import check_token_forcing
+    from specjax.serving.decoder import ServingDecoder
+    cfg, params, prompts, _ = hybrid
+    gen = GenerationConfig(max_new_tokens=14)
+    reference = Decoder(cfg, params, gen, kernels="interpret").generate(prompts)
+    dec = ServingDecoder(cfg, params, gen, NgramDrafter(k=3, vocab_size=cfg.vocab_size), num_slots=2, page_size=8,
+                         options=ServingOptions(packed=True, budget=4, tree=TreeSpec("topk", 5, 3),
+                                                attention="interpret"), kernels="interpret")
+    assert dec.params.kernels == "interpret"
+    report = check_token_forcing(dec, prompts, reference, tolerance=TOL)
+    assert report.passed, report.summary()
+
+
 @pytest.mark.parametrize("tree,attention", [(None, "xla"), (TreeSpec("topk", 5, 3), "xla"),
                                             (TreeSpec("topk", 5, 3), "interpret")])
 def test_hybrid_failing_request_fails_alone_when_packed(hybrid, tree, attention):

@@ -28,7 +28,7 @@ def test_sharded_engine_is_token_exact(family):
     run = subprocess.run([sys.executable, str(HERE / "tp_cases.py"), family], env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("ok ") >= {"dense": 10, "hybrid": 10, "serving": 3, "kernels": 3,
+    assert run.stdout.count("ok ") >= {"dense": 10, "hybrid": 10, "serving": 5, "kernels": 3,
                                        "kernels_lh12": 3}[family], run.stdout
 
 

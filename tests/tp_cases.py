@@ -101,6 +101,24 @@ def serving(seed: int, tp: int):
         report = check_serving_forcing(engine, prompts, reference, 12, tolerance=TOL)
         assert report.passed, f"serving seed {seed} tp {tp} {label}: {report.summary()}"
         print(f"ok serving seed {seed} tp {tp} {label}: {report.summary()}")
+    # our GEMM, norm and attention kernels (interpret mode) under the mesh, as the bench serves:
+    # each split matrix a per-device kernel; every served token rounds as the sharded kernel
+    # engine's AR step (forcing with no near-tie allowance)
+    from specjax.serving.decoder import ServingDecoder
+    bcfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+                       num_kv_heads=4, head_dim=16, max_position_embeddings=256, dtype="bfloat16")  # shards tile
+    bparams = init_random_params(bcfg, jax.random.PRNGKey(seed), scale=0.5)
+    gen = GenerationConfig(max_new_tokens=12)
+    kref = Decoder(bcfg, bparams, gen, kernels="interpret", mesh=tp_mesh(tp)).generate(prompts)
+    for label, opts in (("packed, budget, device loop", ServingOptions(packed=True, budget=6, steps_per_call=4)),
+                        ("trees, paged kernel", ServingOptions(packed=True, tree=TreeSpec("topk", 5, 3),
+                                                               attention="interpret"))):
+        dec = ServingDecoder(bcfg, bparams, gen, NgramDrafter(k=4, vocab_size=cfg.vocab_size), num_slots=3,
+                             options=opts, kernels="interpret", mesh=tp_mesh(tp))
+        assert type(dec.params.layers[0].w_gate_up).__name__ == "TPGemmWeight"
+        report = check_token_forcing(dec, prompts, kref, tolerance=0.0)
+        assert report.passed and not report.failures, f"serving kernels tp {tp} {label}: {report.summary()}"
+        print(f"ok serving seed {seed} tp {tp} kernels split over the mesh, {label}: {report.summary()}")
 
 
 def hybrid(seed: int, tp: int):

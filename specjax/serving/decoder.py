@@ -4,6 +4,7 @@ batch is submitted at once and served `num_slots` at a time with continuous batc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -22,12 +23,17 @@ class ServingDecoder:
         """kernels: the target's GEMMs and norms: "xla", or our Pallas kernels ("pallas" on a GPU,
         "interpret" on a CPU; `engine.resolve_kernels` spells "auto"), as engine.Decoder runs them."""
         from specjax.engine import resolve_kernels
+        from specjax.models.target import is_hybrid
         self.kernels = resolve_kernels(kernels, cfg)
-        if self.kernels != "xla":
-            if mesh is not None:
-                raise NotImplementedError("the serving engine with the Pallas GEMMs under a mesh: use kernels='xla'")
+        self.placed = False  # params already placed over the mesh (the engine then leaves them)
+        if self.kernels != "xla" and is_hybrid(cfg):  # the decoder's attention and tree-GDN kernels
+            params = dataclasses.replace(params, kernels=self.kernels)
+        elif self.kernels != "xla":
             from specjax.models.kernel_params import prepare_kernel_params
-            params, _ = prepare_kernel_params(params, cfg, interpret=self.kernels == "interpret")
+            if mesh is not None:  # placed first, then each split matrix a per-device kernel weight,
+                from specjax.sharding.tp import shard_params  # as engine.Decoder does
+                params, self.placed = shard_params(params, mesh)[0], True
+            params, _ = prepare_kernel_params(params, cfg, interpret=self.kernels == "interpret", mesh=mesh)
         self.cfg, self.params, self.gen, self.drafter = cfg, params, gen, drafter
         self.mesh = mesh  # tensor parallelism (passed to each ServingEngine)
         self.num_slots, self.options, self.page_size = num_slots, options, page_size
@@ -52,7 +58,7 @@ class ServingDecoder:
                              slot_len=slot_len, page_size=self.page_size, prompt_width=width,
                              queue_len=self.num_slots, max_waiting=max(len(prompts), 1),
                              sampling=self.gen.sampling, stop_tokens=self.gen.stop_tokens,
-                             options=self.options, seed=seed, forcing=forcing, mesh=self.mesh)
+                             options=self.options, seed=seed, forcing=forcing, mesh=self.mesh, placed=self.placed)
 
     def generate(self, prompts: list[list[int]], seed: int = 0, forced=None) -> GenerationResult:
         engine = self.engine(prompts, seed, forcing=forced is not None)

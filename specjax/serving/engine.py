@@ -66,6 +66,7 @@ class ServingEngine:
     queue_len: requests the device holds ready to admit (default num_slots).
     max_waiting: requests the host queue holds before submit() refuses (QueueFullError).
     forcing: run every request forced along its `reference` (token forcing; greedy only).
+    mesh: a "tp" mesh the target is split over (placed: params are already placed over it).
     """
 
     def __init__(self, cfg, params, drafter=None, *, num_slots: int = 4, slot_len: int = 256,
@@ -73,7 +74,7 @@ class ServingEngine:
                  max_waiting: int = 1024, prompt_width: int | None = None,
                  sampling: SamplingConfig = SamplingConfig(), stop_tokens: tuple[int, ...] = (),
                  options: ServingOptions = ServingOptions(), seed: int = 0, forcing: bool = False,
-                 mesh=None, shard_drafter: bool = False):
+                 mesh=None, shard_drafter: bool = False, placed: bool = False):
         if num_slots < 1 or slot_len < 2 or page_size < 1 or slot_len % page_size:
             raise ConfigError(f"need num_slots >= 1 and slot_len a multiple of page_size, got "
                               f"num_slots={num_slots}, slot_len={slot_len}, page_size={page_size}")
@@ -86,8 +87,11 @@ class ServingEngine:
             raise ConfigError("attention='pallas' needs a GPU; use 'interpret' to run the kernel on a CPU, slowly")
         if mesh is not None:  # tensor parallelism: as engine.Decoder (docs/design/tensor_parallel.md)
             from specjax.sharding.tp import replicate, shard_params
-            params = shard_params(params, mesh)[0]
-            if options.attention != "xla":  # the paged kernel runs split by KV heads (flat_forward)
+            if not placed:  # placed: already split, GEMM kernel weights included (ServingDecoder)
+                params = shard_params(params, mesh)[0]
+            # the paged kernel (flat_forward, hybrid.py) and a hybrid target's attention and tree-GDN
+            # kernels run split by heads
+            if options.attention != "xla" or getattr(params, "kernels", "xla") != "xla":
                 params = dataclasses.replace(params, mesh=mesh)
             if drafter is not None:
                 drafter = shard_params(drafter, mesh)[0] if shard_drafter else replicate(drafter, mesh)
