@@ -19,7 +19,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--prompts", type=int, help="prompts per set (overrides the config's)")
     b.add_argument("--max-new-tokens", type=int)
     b.add_argument("--repeats", type=int)
-    b.add_argument("--peers", help="comma-separated: transformers_ar, transformers_prompt_lookup ('none': off)")
+    b.add_argument("--peers", help="comma-separated: transformers_ar, transformers_prompt_lookup, "
+                                   "transformers_early_exit:LAYERS ('none': off)")
     b.add_argument("--export-prompts", metavar="FILE",
                    help="write the config's prompt sets to FILE (checksummed JSON) and stop: for a machine "
                         "without the data packages")
