@@ -119,21 +119,38 @@ DEFAULT_SPEED = {
 }
 
 
+def _split(steps: int, grid_n: int, min_steps: int) -> int:
+    """The largest split_k <= 16 that divides the K steps, leaves >= min_steps a program and
+    brings grid_n * split_k up to about TARGET_PROGRAMS."""
+    split = max(1, min(16, -(-TARGET_PROGRAMS // grid_n), steps // min_steps))
+    while split > 1 and steps % split:
+        split -= 1
+    return split
+
+
 def default_config(shape: tuple[int, int], fmt: str = "bf16", block_k: int = 64) -> GemmConfig:
     """A config from the shape alone. The numerics (block_k, split_k) do not depend on the format,
     so bf16 and 12-bit weights of one shape agree bit for bit: split K until about TARGET_PROGRAMS
     programs run at 256 columns per program, keeping >= 4 K steps per program and a split that
-    divides K (no padded copy of a large weight). Speed settings: DEFAULT_SPEED[fmt]."""
+    divides K (no padded copy of a large weight). Speed settings: DEFAULT_SPEED[fmt].
+
+    Small matrices (fewer than TARGET_PROGRAMS / 2 programs that way: SmolLM2's 576-1536-wide
+    ones give 3-18) would leave most multiprocessors idle and each program streaming its slab at
+    one multiprocessor's share of the bandwidth; there the columns go 128 a program and K splits
+    down to one step a program (qkv 576x960: 72 programs instead of 4). The 8B shapes keep their
+    configs (all >= 192 programs)."""
     if fmt not in DEFAULT_SPEED:
         raise ValueError(f"unknown weight format {fmt!r} (one of {tuple(DEFAULT_SPEED)})")
     k, n = shape
     m = -(-n // STRIPES)
     grid_n = -(-m // (256 // STRIPES))
     steps = max(1, -(-k // block_k))
-    split = max(1, min(16, -(-TARGET_PROGRAMS // grid_n), steps // 4))
-    while split > 1 and steps % split:
-        split -= 1
-    return GemmConfig(block_k=block_k, split_k=split, **DEFAULT_SPEED[fmt])
+    split = _split(steps, grid_n, 4)
+    speed = dict(DEFAULT_SPEED[fmt])
+    if grid_n * split < TARGET_PROGRAMS // 2:
+        speed["block_n"] = 128
+        split = _split(steps, -(-m // (128 // STRIPES)), 1)
+    return GemmConfig(block_k=block_k, split_k=split, **speed)
 
 
 @jax.tree_util.register_dataclass
