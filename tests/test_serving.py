@@ -260,6 +260,32 @@ def test_paged_attention_kernel_serves_exactly():
         ServingEngine(cfg, params, NgramDrafter(k=3), num_slots=2, slot_len=48, page_size=12, options=opts)
 
 
+def test_admission_prefill_writes_the_decoders_prompt_kv():
+    """The serving engine's admission (prompt width 125, inside its device loop) and the Decoder's
+    shared prompt program (bucket 128) write the same K/V bits on our kernels, with SmolLM2's
+    dimensions (where a RoPE whose float32 products an FMA could fuse differently per program
+    gave one q element other bits, and 151+ K elements of later layers followed)."""
+    from specjax.decoding.sequences import prompt_bucket, prompt_pass
+    from specjax.serving.decoder import ServingDecoder
+    cfg, params = tiny_model(seed=2, dtype="bfloat16", hidden_size=576, intermediate_size=1536, num_layers=3,
+                             num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=512, scale=0.05)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 125).tolist()
+    gen = GenerationConfig(max_new_tokens=2)
+    dec = Decoder(cfg, params, gen, kernels="interpret")
+    P = prompt_bucket(len(prompt))
+    cache, _, _ = prompt_pass(dec.params, cfg, jnp.asarray([prompt + [0] * (P - len(prompt))], jnp.int32),
+                              jnp.asarray([len(prompt)], jnp.int32))
+    engine = ServingDecoder(cfg, params, gen, None, num_slots=1, kernels="interpret",
+                            options=ServingOptions(steps_per_call=1)).engine([prompt])
+    engine.submit(prompt, 1)
+    engine.run()  # a fresh engine's first request holds pages 1, 2, ... in order
+    ps, n = engine.page_size, -(-len(prompt) // engine.page_size)
+    for layer in range(cfg.num_layers):
+        for ref, pool in ((cache.k[layer], engine.state.cache.k[layer]), (cache.v[layer], engine.state.cache.v[layer])):
+            got = pool[1:1 + n].reshape((n * ps,) + pool.shape[2:])[:len(prompt)]
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref[0, :len(prompt)], np.float32))
+
+
 def test_cancel_and_failing_request_leave_others_exact():
     """A request cancelled mid-generation stops; one whose logits turn non-finite (a poisoned
     embedding row) fails with a message; the others still equal AR."""

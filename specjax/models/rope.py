@@ -44,9 +44,19 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, H, hd]; cos/sin [B, T, hd]."""
+    """x [B, T, H, hd]; cos/sin [B, T, hd].
+
+    A 16-bit x meets cos and sin rounded to its own dtype (as transformers casts them), so each
+    product of two 16-bit values is exact in float32 and x cos + r sin rounds once, however a
+    compiler evaluates it. With float32 cos and sin the products round, and whether XLA contracts
+    the sum into an FMA, and which product it fuses, depends on how each program fuses RoPE (cos
+    and sin inline or hoisted as constants): the serving engine's admission and the Decoder's
+    prompt program gave one q element other bits that way, near a rounding tie, and the served
+    tokens parted from AR's at near-ties (2026-12-07, found on the CPU with SmolLM2's dims)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    out = xf * cos[:, :, None, :] + rotated.astype(jnp.float32) * sin[:, :, None, :]
+    if jnp.dtype(x.dtype).itemsize == 2:
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    f32 = jnp.float32
+    out = x.astype(f32) * cos[:, :, None, :].astype(f32) + rotated.astype(f32) * sin[:, :, None, :].astype(f32)
     return out.astype(x.dtype)
