@@ -59,6 +59,11 @@ def test_shipped_configs_load():
     for path in ("benchmarks/bench_cpu.yaml", "benchmarks/bench_h200.yaml"):
         cfg = load_bench_config(path)
         assert cfg.methods and dict(cfg.sets).keys() == PROMPT_SETS.keys()
+    from pathlib import Path
+    shipped = sorted(Path("benchmarks").glob("bench_*.yaml"))
+    assert len(shipped) >= 7
+    for path in shipped:  # every device config parses (a typo would cost a device call)
+        assert load_bench_config(str(path)).methods, path
 
 
 class _ByteTokenizer:
