@@ -174,8 +174,15 @@ def test_deadline_skips_units_and_parts_merge():
     assert skipped["rows"] == [] and skipped["skipped"] == ["humaneval B=1", "humaneval B=2", "pydoc B=1", "pydoc B=2"]
     seen = []
     part = protocol.run_bench(model, dataclasses.replace(bench, sets=(("humaneval", 2),)), progress=lambda s: None,
-                              partial=lambda r: seen.append(len(r["rows"])))
-    assert seen == [3, 6]  # written after each (set, batch) unit
+                              partial=lambda r: seen.append((len(r["rows"]), r.get("unfinished"))))
+    # written after each row, the unit marked unfinished until its last row, then after the unit
+    assert seen == [(1, "humaneval B=1"), (2, "humaneval B=1"), (3, "humaneval B=1"), (3, None),
+                    (4, "humaneval B=2"), (5, "humaneval B=2"), (6, "humaneval B=2"), (6, None)]
+    assert "unfinished" not in part
+    cut = dict(part, rows=part["rows"][:5], unfinished="humaneval B=2")  # a call's limit hit mid-unit
+    kept, todo = protocol.units_to_resume(cut, bench)
+    assert todo == {"humaneval B=2", "pydoc B=1", "pydoc B=2"} and "unfinished" not in kept
+    assert [(r["set"], r["batch"]) for r in kept["rows"]] == [("humaneval", 1)] * 3
     rows = {(r["method"], r["batch"]): r for r in part["rows"]}
     assert rows[("ar", 1)]["prompts"] == 1 and rows[("ar", 2)]["prompts"] == 2  # batch1_prompts
     again = rows[("ar-again", 2)]  # an AR variant: timed, tokens compared, nothing to force

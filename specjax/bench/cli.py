@@ -106,10 +106,8 @@ def cmd_bench(args) -> int:
     previous = only = None
     if args.resume:
         from specjax.atomic import read_json_checked
-        previous = read_json_checked(args.resume)
-        # every unit without rows: the ones its deadline skipped, and one a time limit cut off
-        done = {f"{r['set']} B={r['batch']}" for r in previous.get("rows", [])}
-        only = {f"{n} B={b}" for n, _ in cfg.sets for b in cfg.batch_sizes} - done
+        from specjax.bench.protocol import units_to_resume
+        previous, only = units_to_resume(read_json_checked(args.resume), cfg)
         if not only:
             raise ConfigError(f"--resume {args.resume}: every unit of that run has rows; there is nothing to resume")
     exported = read_prompt_file(args.prompts_from) if args.prompts_from else None

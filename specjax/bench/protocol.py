@@ -146,9 +146,14 @@ class DecoderCache:
 
 def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
             progress: Callable[[str], None] = print, peers: dict | None = None,
-            exported: dict[str, list[str]] | None = None, decoders: DecoderCache | None = None) -> list[Row]:
+            exported: dict[str, list[str]] | None = None, decoders: DecoderCache | None = None,
+            on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """All methods (and peers, at batch 1) on one prompt set at one batch size. Every batch of
-    the set is padded to the bucket of its longest prompt: one compiled shape per set and method."""
+    the set is padded to the bucket of its longest prompt: one compiled shape per set and method.
+    on_row(rows so far): after each row (a device call cut inside a unit keeps them)."""
+    def report(rows):
+        if on_row is not None:
+            on_row(rows)
     if batch == 1 and cfg.batch1_prompts:
         n = min(n, cfg.batch1_prompts)
     texts = load_set(set_name, n, exported)
@@ -163,6 +168,7 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
     ar_rate = statistics.median(rates)
     rows = [_row(set_name, batch, "ar", rates, ar_results, ar_tokens, ar_rate, None, False)]
     progress(f"{set_name} B={batch} ar: {ar_rate:.1f} tok/s ({time.perf_counter() - t0:.0f} s, prompt bucket {bucket})")
+    report(rows)
     for method in cfg.methods:
         t0 = time.perf_counter()
         dec = decoders.get(method, batch, bucket)
@@ -187,6 +193,7 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
         progress(f"{set_name} B={batch} {method.name}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 1:.2f}, "
                  f"{ {True: 'lossless', False: 'NOT LOSSLESS', None: 'AR variant'}[lossless]} "
                  f"({time.perf_counter() - t0:.0f} s)")
+        report(rows)
     if batch == 1 and peers:
         for name, peer in peers.items():
             rates, tokens = peer.timed(prompts, cfg.max_new_tokens, cfg.peer_repeats or cfg.repeats)
@@ -196,6 +203,7 @@ def run_set(model, cfg: BenchConfig, set_name: str, n: int, batch: int,
                             equal_to_ar=sum(a == b for a, b in zip(tokens, ar_tokens)), prompts=len(prompts),
                             generated=sum(len(t) for t in tokens), note="another implementation: equality counted"))
             progress(f"{set_name} B=1 {name}: {med:.1f} tok/s, {rows[-1].equal_to_ar}/{len(prompts)} equal to ar")
+            report(rows)
     return rows
 
 
@@ -207,7 +215,8 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
     then are listed under "skipped"; finish_by (clock()): a unit is skipped too when the last unit
     of its batch size (else the longest one so far), run again, would end after it, so a device
     call's time limit never cuts a unit off (later, cheaper units may still fit). partial(result)
-    after each unit (so a run cut short keeps what it measured). only_units: run just these ("humaneval B=32", the form
+    after each row (so a run cut short keeps what it measured; a unit in progress is named under
+    "unfinished", which `units_to_resume` runs again whole) and after each unit. only_units: run just these ("humaneval B=32", the form
     "skipped" lists), for resuming a run cut short. store: the MemoryStore memory methods (the
     searched configs) read their records from."""
     searched = {}
@@ -239,12 +248,28 @@ def run_bench(model, cfg: BenchConfig, progress: Callable[[str], None] = print,
                 result["skipped"].append(f"{set_name} B={batch}")
                 progress(f"deadline: skipping {set_name} B={batch}")
                 continue
-            rows = run_set(model, cfg, set_name, n, batch, progress, peers, exported, decoders)
+            unit = f"{set_name} B={batch}"
+
+            def on_row(rows, unit=unit):  # the unit's rows so far, marked unfinished
+                partial(dict(result, rows=result["rows"] + [dataclasses.asdict(r) for r in rows], unfinished=unit))
+            rows = run_set(model, cfg, set_name, n, batch, progress, peers, exported, decoders,
+                           on_row if partial is not None else None)
             seconds[batch] = clock() - now
             result["rows"] += [dataclasses.asdict(r) for r in rows]
             if partial is not None:
                 partial(result)
     return result
+
+
+def units_to_resume(previous: dict, cfg: BenchConfig) -> tuple[dict, set[str]]:
+    """A partial result -> (it without the rows of a unit a time limit cut off, the units to run:
+    every unit of `cfg` without rows: the ones a deadline skipped and the cut one, run again whole)."""
+    cut = previous.get("unfinished")
+    unit = lambda r: f"{r['set']} B={r['batch']}"  # noqa: E731
+    kept = {k: v for k, v in previous.items() if k != "unfinished"}
+    kept["rows"] = [r for r in previous.get("rows", []) if unit(r) != cut]
+    done = {unit(r) for r in kept["rows"]}
+    return kept, {f"{n} B={b}" for n, _ in cfg.sets for b in cfg.batch_sizes} - done
 
 
 def resume_result(previous: dict, resumed: dict) -> dict:

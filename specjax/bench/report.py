@@ -48,6 +48,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Batch 1 runs the first {cfg['batch1_prompts']} prompts of each set; larger batches all of them."]
     if result.get("skipped"):
         lines += ["", "Not run (the run's deadline came first): " + ", ".join(result["skipped"])]
+    if result.get("unfinished"):
+        lines += ["", f"Cut off inside {result['unfinished']}: its rows so far are listed (--resume runs it again)"]
     failed = [r for r in result["rows"] if r["lossless"] is False]
     if failed:
         lines += ["", "Runs that failed the forcing gate (no speedup reported):", ""]
