@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.decoding.chain import Forced
 from specjax.decoding.sequences import Sequences
 from specjax.errors import ConfigError
+from specjax.rounding import exact_jit
 
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def build_forced(prompts: list[list[int]], reference_tokens: list[list[int]], nu
                   checked=jnp.zeros((B, num_slots), bool))
 
 
-@jax.jit
+@exact_jit
 def force_first_token(forced: Forced, seqs: Sequences) -> tuple[Forced, Sequences]:
     """Check and replace the token chosen by prefill (sequence index prompt_len)."""
     rows = jnp.arange(seqs.tokens.shape[0])

@@ -17,6 +17,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.params import ModelParams
 from specjax.models.target import target_forward, target_logits
 from specjax.sampling import choose_token, top2_margin
+from specjax.rounding import exact_jit
 
 
 def ar_logits(params: ModelParams, cfg: ModelConfig, cache: KVCache, seqs: Sequences
@@ -36,19 +37,19 @@ def ar_step(params: ModelParams, cfg: ModelConfig, gen: GenerationConfig, cache:
     return cache, seqs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
+@functools.partial(exact_jit, static_argnames=("cfg", "gen", "num_slots"))
 def ar_prefill(params, cfg, gen, prompt, prompt_len, key, num_slots):
     cache, seqs, _, _ = prefill(params, cfg, gen, prompt, prompt_len, num_slots, key)
     return cache, seqs
 
 
-@functools.partial(jax.jit, static_argnames=("gen", "num_slots"))
+@functools.partial(exact_jit, static_argnames=("gen", "num_slots"))
 def ar_start(gen, cache, logits, prompt, prompt_len, key, num_slots):
     """`ar_prefill` after a shared `prompt_pass` (what `Decoder` runs: see sequences.prompt_pass)."""
     return start_sequences(gen, cache, logits, prompt, prompt_len, num_slots, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen"))
+@functools.partial(exact_jit, static_argnames=("cfg", "gen"))
 def ar_decode(params, cfg, gen, cache, seqs, key):
     """Decode until every row is done. Returns (sequences, number of steps)."""
     def cond(carry):

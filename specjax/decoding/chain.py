@@ -23,6 +23,7 @@ from specjax.models.target import (chain_path, chain_verify, is_hybrid, target_c
                                    with_replay_width)
 from specjax.sampling import probabilities, top2_margin
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
+from specjax.rounding import exact_jit
 
 
 @jax.tree_util.register_dataclass
@@ -188,7 +189,7 @@ def finish_round(gen: GenerationConfig, seqs: Sequences, stats: ChainStats, forc
     return commit(seqs, out, num_accepted + 1, gen, margins=margins, limit=limit), stats, forced
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen", "num_slots"))
+@functools.partial(exact_jit, static_argnames=("cfg", "gen", "num_slots"))
 def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots):
     taps = getattr(drafter, "taps", ())
     cache, seqs, _, features = prefill(target, cfg, gen, prompt, prompt_len, num_slots, key, taps)
@@ -198,7 +199,7 @@ def chain_prefill(target, cfg, drafter, gen, prompt, prompt_len, key, num_slots)
     return cache, dstate, seqs
 
 
-@functools.partial(jax.jit, static_argnames=("gen", "num_slots"))
+@functools.partial(exact_jit, static_argnames=("gen", "num_slots"))
 def chain_start(drafter, gen, cache, logits, features, prompt, prompt_len, key, num_slots):
     """`chain_prefill` after a shared `prompt_pass` (what `Decoder` runs: see sequences.prompt_pass)."""
     cache, seqs = start_sequences(gen, cache, logits, prompt, prompt_len, num_slots, key)
@@ -206,7 +207,7 @@ def chain_start(drafter, gen, cache, logits, features, prompt, prompt_len, key, 
     return cache, drafter.init(prompt, prompt_len, num_slots, **extra), seqs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen"))
+@functools.partial(exact_jit, static_argnames=("cfg", "gen"))
 def chain_decode(target, cfg, drafter, gen, cache, dstate, seqs, key, forced=None):
     """Run chain steps until every row is done -> (sequences, stats, forced)."""
     stats = ChainStats.zeros(seqs.length.shape[0], drafter.k)

@@ -19,6 +19,7 @@ from specjax.models.kv_cache import KVCache, read_rows, write_rows
 from specjax.models.params import ModelParams
 from specjax.models.target import init_target_cache, target_forward, target_logits
 from specjax.sampling import SamplingConfig, choose_token, top2_margin
+from specjax.rounding import exact_jit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def prompt_forward(params: ModelParams, cfg: ModelConfig, prompt: jax.Array, pro
 # build the prompt's GEMMs differently in each (it autotunes per program; prompts over 1024 rows
 # leave our kernels), and in bf16 the prompt's K/V could then differ in the last bits, enough to
 # flip a near-tie token between AR and speculative runs (docs/notes/perf.md, 2026-12-06).
-prompt_pass = jax.jit(prompt_forward, static_argnames=("cfg", "taps"))
+prompt_pass = exact_jit(prompt_forward, static_argnames=("cfg", "taps"))
 
 
 def grow_cache(cache, num_slots: int):

@@ -27,6 +27,7 @@ from specjax.sampling import SamplingConfig, probabilities, top2_margin
 from specjax.trees.builders import LOGP_FLOOR, TreeSpec, as_tree_spec, build_tree
 from specjax.trees.tree import Tree
 from specjax.trees.verify import greedy_tree_accept, sampled_tree_accept, tree_mask
+from specjax.rounding import exact_jit
 
 
 def check_tree_drafter(drafter, tree, gen: GenerationConfig) -> None:
@@ -127,7 +128,7 @@ def tree_step(target: ModelParams, cfg: ModelConfig, drafter, spec: TreeSpec, ge
     return cache, dstate, seqs, stats, forced
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gen", "tree"))
+@functools.partial(exact_jit, static_argnames=("cfg", "gen", "tree"))
 def tree_decode(target, cfg, drafter, gen, tree, cache, dstate, seqs, key, forced=None):
     """Run tree steps until every row is done -> (sequences, stats, forced). tree: a `TreeSpec`
     (or a `TreeShape`: the static builder)."""

@@ -28,6 +28,7 @@ from specjax.models.gdn_rule import gdn_scan, normalize_qk
 from specjax.models.gdn_tree import commit_window
 from specjax.models.hybrid_config import HybridConfig
 from specjax.models.linear import linear
+from specjax.rounding import round_like
 
 
 @jax.tree_util.register_dataclass
@@ -100,7 +101,7 @@ def gated_norm(p: GDNParams, cfg: HybridConfig, core: jax.Array, z: jax.Array) -
     """`gdn_output` before out_proj -> [B, T, value_dim] in the model dtype."""
     B, T = core.shape[:2]
     dtype = z.dtype
-    xf = core.astype(dtype).astype(jnp.float32)  # transformers hands the norm the model dtype
+    xf = round_like(core, dtype)  # transformers hands the norm the model dtype (specjax/rounding.py)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scaled = p.norm * xf.astype(dtype)
     gated = scaled.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))

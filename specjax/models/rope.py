@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
+from specjax.rounding import round_like
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -55,8 +56,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     tokens parted from AR's at near-ties (2026-12-07, found on the CPU with SmolLM2's dims)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    if jnp.dtype(x.dtype).itemsize == 2:
-        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     f32 = jnp.float32
-    out = x.astype(f32) * cos[:, :, None, :].astype(f32) + rotated.astype(f32) * sin[:, :, None, :].astype(f32)
+    cos, sin, xf, rf = cos.astype(f32), sin.astype(f32), x.astype(f32), rotated.astype(f32)
+    if jnp.dtype(x.dtype).itemsize == 2:
+        # Not cos.astype(x.dtype).astype(f32): XLA's GPU pipeline may drop that convert pair in
+        # one program and keep it in another (specjax/rounding.py; 2026-12-08, H100). x is
+        # rounded again for the same reason: its producer's rounding may have been dropped.
+        cos, sin = round_like(cos, x.dtype), round_like(sin, x.dtype)
+        xf, rf = round_like(xf, x.dtype), round_like(rf, x.dtype)
+    out = xf * cos[:, :, None, :] + rf * sin[:, :, None, :]
     return out.astype(x.dtype)
+

@@ -9,12 +9,12 @@ GEMMs do not promise it (benchmarks/exactness_h200.py runs this on a device).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.kv_cache import init_cache
 from specjax.models.transformer import TreeMask, forward, forward_with_taps, lm_logits, rms_norm
+from specjax.rounding import exact_jit
 
 
 def bits(x) -> np.ndarray:
@@ -32,7 +32,7 @@ def step_vs_ar(params, cfg, width: int, prompt_len: int = 64, batch: int = 1) ->
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     new = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, width)), jnp.int32)
-    fwd = jax.jit(forward_with_taps, static_argnames=("cfg", "taps"))
+    fwd = exact_jit(forward_with_taps, static_argnames=("cfg", "taps"))
     zeros = jnp.zeros(batch, jnp.int32)
     _, _, cache = fwd(params, cfg, prompt, jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len)),
                       init_cache(cfg, batch, slots), zeros)
@@ -65,7 +65,7 @@ def tree_vs_ar(params, cfg, nodes: int, prompt_len: int = 64, batch: int = 1, se
     rng = np.random.default_rng(seed)
     slots = -(-(prompt_len + nodes + 8) // 64) * 64
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
-    fwd = jax.jit(forward, static_argnames=("cfg",))
+    fwd = exact_jit(forward, static_argnames=("cfg",))
     _, cache = fwd(params, cfg, prompt, jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len)),
                    init_cache(cfg, batch, slots), jnp.zeros(batch, jnp.int32))
     parents = np.full((batch, nodes), -1, np.int32)
@@ -107,7 +107,7 @@ def norm_vs_rows(params, cfg, width: int, batch: int = 2, draws: int = 40) -> di
     rng = np.random.default_rng(2)
     w = params.layers[0].attn_norm.astype(jnp.float32)
     impls = {"model": params.norm, "xla": "xla"}
-    fns = {k: jax.jit(lambda x, impl=impl: rms_norm(x, w, cfg.rms_norm_eps, impl)) for k, impl in impls.items()}
+    fns = {k: exact_jit(lambda x, impl=impl: rms_norm(x, w, cfg.rms_norm_eps, impl)) for k, impl in impls.items()}
     differs = dict.fromkeys(impls, 0)
     for _ in range(draws):
         x = jnp.asarray(rng.normal(0, 3, (batch, width, cfg.hidden_size)), jnp.float32)
@@ -130,18 +130,18 @@ def ops_vs_width(params, cfg, width: int) -> dict:
         return apply_rope(x.reshape(1, x.shape[1], -1, cfg.head_dim), *rope_cos_sin(cfg, pos))
 
     ops = {
-        "rms_norm": jax.jit(lambda x: rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, params.norm)),
-        "w_qkv": jax.jit(lambda x: linear(x, layer.w_qkv)),
-        "w_gate_up": jax.jit(lambda x: linear(x, layer.w_gate_up)),
-        "lm_head": jax.jit(lambda x: lm_logits(params, x)),
+        "rms_norm": exact_jit(lambda x: rms_norm(x, layer.attn_norm, cfg.rms_norm_eps, params.norm)),
+        "w_qkv": exact_jit(lambda x: linear(x, layer.w_qkv)),
+        "w_gate_up": exact_jit(lambda x: linear(x, layer.w_gate_up)),
+        "lm_head": exact_jit(lambda x: lm_logits(params, x)),
     }
     out = {}
     for name, f in ops.items():
         wide = f(x)
         out[name] = all(np.array_equal(bits(wide[:, j]), bits(f(x[:, j:j + 1])[:, 0])) for j in range(width))
     # RoPE: row j of a width-W call sits at position 100 + j, so compare with a width-1 call there
-    wide = jax.jit(rope)(x)
-    one = jax.jit(lambda x, p: apply_rope(x.reshape(1, 1, -1, cfg.head_dim),
+    wide = exact_jit(rope)(x)
+    one = exact_jit(lambda x, p: apply_rope(x.reshape(1, 1, -1, cfg.head_dim),
                                           *rope_cos_sin(cfg, jnp.full((1, 1), p, jnp.int32))))
     out["rope"] = all(np.array_equal(bits(wide[:, j]), bits(one(x[:, j:j + 1], 100 + j)[:, 0])) for j in range(width))
     return out

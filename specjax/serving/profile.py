@@ -18,6 +18,7 @@ from specjax.models.target import target_logits
 from specjax.serving.budget import layout
 from specjax.serving.flat_forward import flat_forward
 from specjax.serving.paged_cache import init_paged_cache
+from specjax.rounding import exact_jit
 
 
 def verify_profile(params, cfg, batch: int, slot_len: int, token_counts, page_size: int = 16,
@@ -35,7 +36,7 @@ def verify_profile(params, cfg, batch: int, slot_len: int, token_counts, page_si
 
         # the weights are an argument: closed over, jit would embed them as constants (for an 8B
         # target 16 GB of them, and a compile that never ends; docs/notes/perf.md)
-        @jax.jit
+        @exact_jit
         def passes(params, cache, counts=counts, table=table, T=T, width=width):
             def body(_, carry):
                 cache, acc = carry

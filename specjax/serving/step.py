@@ -24,6 +24,7 @@ from specjax.serving.state import Queue, ServingOptions, ServingState
 from specjax.serving.hybrid_step import verify_hybrid_step
 from specjax.serving.tree_step import verify_tree_step
 from specjax.verification.chain import acceptance_tests, greedy_accept, leading_true, rejection_accept
+from specjax.rounding import exact_jit
 
 
 def _pop(queue: Queue, keep: jax.Array) -> Queue:
@@ -203,6 +204,6 @@ def _serve_call(params, cfg, drafter, gen, opts: ServingOptions, forcing: bool, 
 
 
 _STATIC = ("cfg", "gen", "opts", "forcing")
-serve_call = jax.jit(_serve_call, static_argnames=_STATIC)
+serve_call = exact_jit(_serve_call, static_argnames=_STATIC)
 # on GPUs the state's buffers (the whole paged cache) are reused in place; CPUs cannot donate
-serve_call_donating = jax.jit(_serve_call, static_argnames=_STATIC, donate_argnames=("st",))
+serve_call_donating = exact_jit(_serve_call, static_argnames=_STATIC, donate_argnames=("st",))
