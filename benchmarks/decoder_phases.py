@@ -44,6 +44,7 @@ from specjax.models.config import ModelConfig  # noqa: E402
 from specjax.models.target import chain_verify, target_forward, target_logits  # noqa: E402
 from specjax.sampling import top2_margin  # noqa: E402
 from specjax.verification.chain import greedy_accept  # noqa: E402
+from specjax.rounding import exact_jit  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -130,7 +131,7 @@ def phases(params, cfg, k: int, reps: int):
 
     fns = {"ar_step": ar, "chain_step": chain, "forward_1": forward(1), "forward_k1": forward(k + 1),
            "logits_k1": logits, "accept": accept, "propose": propose, "commit": commit_round}
-    return {name: jax.jit(fn) for name, fn in fns.items()}
+    return {name: exact_jit(fn) for name, fn in fns.items()}
 
 
 def state_for(params, cfg, batch: int, prompt_len: int, k: int, reps: int):
@@ -138,7 +139,7 @@ def state_for(params, cfg, batch: int, prompt_len: int, k: int, reps: int):
     num_slots = prompt_len + (k + 1) * (reps + 2) + 64
     prompt = jax.random.randint(key, (batch, prompt_len), 0, cfg.vocab_size, jnp.int32)
     gen = GenerationConfig(max_new_tokens=1 << 30)
-    cache, seqs, _, _ = jax.jit(prefill, static_argnames=("cfg", "gen", "num_slots"))(
+    cache, seqs, _, _ = exact_jit(prefill, static_argnames=("cfg", "gen", "num_slots"))(
         params, cfg, gen, prompt, jnp.full(batch, prompt_len, jnp.int32), num_slots, key)
     tokens = prompt[:, :k + 1]
     hidden = jnp.ones((batch, k + 1, cfg.hidden_size), jnp.dtype(cfg.dtype))

@@ -46,6 +46,7 @@ from specjax.provenance import code_commit  # noqa: E402
 from specjax.search.kernel_timer import looped, random_bits  # noqa: E402
 from specjax.search.kernel_timer import median_seconds as timed  # noqa: E402
 from specjax.search.kernel_tuner import tuned_config  # noqa: E402
+from specjax.rounding import exact_jit  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (4096, 128256)]
 TOKENS = [1, 16]
@@ -267,7 +268,7 @@ def step_fn(cfg, t: int, reps: int):
     start = jnp.array([CONTEXT], jnp.int32)
     pos = CONTEXT + jnp.arange(t, dtype=jnp.int32)[None, :]
 
-    @jax.jit
+    @exact_jit  # compiled as the engine compiles its steps (specjax/rounding.py)
     def run(params, cache, tokens):
         def body(_, carry):
             cache, tokens = carry

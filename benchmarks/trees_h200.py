@@ -31,6 +31,7 @@ from specjax.models.target import (chain_ancestors, init_target_cache, target_co
                                    target_forward, target_logits, target_verify, with_replay_width)
 from specjax.search.kernel_timer import median_seconds  # noqa: E402
 from specjax.trees.shape import TreeShape  # noqa: E402
+from specjax.rounding import exact_jit  # noqa: E402
 
 T0 = time.time()
 RESULTS: dict = {"meta": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
@@ -111,7 +112,7 @@ def verify_loop(params, cfg, shape: TreeShape | None, chain_t: int = 0, reps: in
         cache = target_commit(params, cfg, cache, pending, path, accepted, start, is_chain=shape is None)
         return cache, choice
 
-    @jax.jit
+    @exact_jit
     def run(params, cache, tokens):  # params an argument: closed over, 17 GB would become constants
         def body(_, carry):
             return step(params, *carry)
