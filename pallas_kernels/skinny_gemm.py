@@ -26,6 +26,12 @@ from jax.experimental import pallas as pl
 STRIPES = 8  # column stripes: LH12 super-words hold 8 weights (specjax/weights/lh12.py)
 ROW_CHUNK = 16  # rows per tensor-core dot; M = 16 keeps Triton on mma.sync for every T
 WIDE_ROWS = 16  # steps of more rows run GemmConfig.wide where a config has one
+# Rows one program carries (4 chunks, an accumulator each). A step of more rows (a batch-32
+# verify step has 160-352) splits them over a third grid axis instead of unrolling 10-22
+# accumulators into one program, whose registers would spill; each row still sees the same
+# K order, so its bits do not change, and steps of up to 64 rows (AR, the 8B T <= 64 steps)
+# keep their two-axis grid.
+ROWS_PER_PROGRAM = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,15 +212,32 @@ def as_operand(x: jax.Array, g: Geometry) -> jax.Array:
 
 
 def row_chunks(t: int) -> int:
-    return -(-t // ROW_CHUNK)
+    """Row chunks per program."""
+    return -(-min(t, ROWS_PER_PROGRAM) // ROW_CHUNK)
 
 
-def _chunk_index(c: int, t: int, col, width: int):
+def row_grid(t: int) -> tuple[int, ...]:
+    """The row-block grid axis (axis 2) of a step of t rows: none up to ROWS_PER_PROGRAM."""
+    return (-(-t // ROWS_PER_PROGRAM),) if t > ROWS_PER_PROGRAM else ()
+
+
+def row_base(t: int):
+    """First row of this program's row block (read outside loops: interpret mode lowers
+    program_id only at the kernel's top level)."""
+    return pl.program_id(2) * ROWS_PER_PROGRAM if t > ROWS_PER_PROGRAM else 0
+
+
+def _chunk_index(c: int, t: int, col, width: int, r0=0):
     """Row and column indexers of chunk c's [16, width] block of x at column `col`: plain slices
     when all 16 rows exist, else index arrays whose rows past T - 1 repeat row T - 1. A tensor-core
     dot computes each row from its own x row alone, so the repeats only produce copies of row
     T - 1's result, which `_store` writes back to row T - 1 (the same bits): rows < T come out as
-    with zero padding, bit for bit."""
+    with zero padding, bit for bit. Past ROWS_PER_PROGRAM rows, chunk c of the row block at r0
+    (`row_base`) starts at r0 + 16 c, or at T - 16 where that would run past T: the last block's
+    chunks slide back and recompute some rows, storing the same bits again."""
+    if t > ROWS_PER_PROGRAM:
+        start = jnp.minimum(r0 + c * ROW_CHUNK, t - ROW_CHUNK)
+        return pl.ds(start, ROW_CHUNK), pl.ds(col, width)
     if (c + 1) * ROW_CHUNK <= t:
         return pl.ds(c * ROW_CHUNK, ROW_CHUNK), pl.ds(col, width)
     rows = jnp.minimum(c * ROW_CHUNK + jax.lax.broadcasted_iota(jnp.int32, (ROW_CHUNK, width), 0), t - 1)
@@ -247,33 +270,34 @@ def chunked_dots(xs, tiles, accs):
     return tuple(out)
 
 
-def _store(o_ref, c: int, t: int, col, width: int, acc):
+def _store(o_ref, c: int, t: int, col, width: int, acc, r0=0):
     """Rows [16 c, 16 c + 16) of partial s = program_id(1), columns [col, col + width). In the
     last, partial chunk rows >= t hold bitwise copies of row t - 1's result (`_chunk_index`), so
     they are stored to row t - 1 as well: the same bits to the same place, and the output holds
     only the T real rows (no padded rows written to HBM, read back and sliced off)."""
-    rows, cols = _chunk_index(c, t, col, width)
+    rows, cols = _chunk_index(c, t, col, width, r0)
     o_ref[pl.program_id(1), rows, cols] = acc
 
 
 def store_wide(o_ref, accs, cfg: GemmConfig, t: int):
     """Chunk accumulators [16, block_n] -> columns [j * block_n, (j + 1) * block_n) of partial s."""
     n0 = pl.multiple_of(pl.program_id(0) * cfg.block_n, cfg.block_n)
+    r0 = row_base(t)
     for c in range(row_chunks(t)):
-        _store(o_ref, c, t, n0, cfg.block_n, accs[c])
+        _store(o_ref, c, t, n0, cfg.block_n, accs[c], r0)
 
 
 def store_accs(o_ref, accs, g: Geometry, cfg: GemmConfig, t: int):
-    j, chunks = pl.program_id(0), row_chunks(t)
+    j, chunks, r0 = pl.program_id(0), row_chunks(t), row_base(t)
     for i in range(STRIPES):
         col = pl.multiple_of(i * g.mp + j * cfg.block_m, cfg.block_m)
         for c in range(chunks):
-            _store(o_ref, c, t, col, cfg.block_m, accs[i * chunks + c])
+            _store(o_ref, c, t, col, cfg.block_m, accs[i * chunks + c], r0)
 
 
-def x_chunks(x_ref, k0, cfg: GemmConfig, t: int):
-    """The activation rows as 16-row chunks [16, block_k] (see `_chunk_index`)."""
-    return [x_ref[_chunk_index(c, t, k0, cfg.block_k)] for c in range(row_chunks(t))]
+def x_chunks(x_ref, k0, cfg: GemmConfig, t: int, r0=0):
+    """The activation rows as 16-row chunks [16, block_k] (see `_chunk_index`; r0 = `row_base`)."""
+    return [x_ref[_chunk_index(c, t, k0, cfg.block_k, r0)] for c in range(row_chunks(t))]
 
 
 def compiler_params(cfg: GemmConfig, interpret: bool):
@@ -284,13 +308,13 @@ def compiler_params(cfg: GemmConfig, interpret: bool):
 
 
 def _bf16_kernel(x_ref, w_ref, o_ref, *, g: Geometry, cfg: GemmConfig, t: int):
-    j, s = pl.program_id(0), pl.program_id(1)
+    j, s, r0 = pl.program_id(0), pl.program_id(1), row_base(t)
     n0 = pl.multiple_of(j * cfg.block_n, cfg.block_n)
 
     def step(i, accs):
         k0 = pl.multiple_of((s * g.steps + i) * cfg.block_k, cfg.block_k)
         tile = w_ref[pl.ds(k0, cfg.block_k), pl.ds(n0, cfg.block_n)]
-        return chunked_dots(x_chunks(x_ref, k0, cfg, t), [tile], accs)
+        return chunked_dots(x_chunks(x_ref, k0, cfg, t, r0), [tile], accs)
 
     zero = jnp.zeros((ROW_CHUNK, cfg.block_n), jnp.float32)
     accs = jax.lax.fori_loop(0, g.steps, step, (zero,) * row_chunks(t))
@@ -308,7 +332,7 @@ def skinny_gemm(x: jax.Array, gw: GemmWeight) -> jax.Array:
     partials = pl.pallas_call(
         functools.partial(_bf16_kernel, g=g, cfg=cfg, t=t),
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, g.npad), jnp.float32),
-        grid=(g.npad // cfg.block_n, cfg.split_k),
+        grid=(g.npad // cfg.block_n, cfg.split_k) + row_grid(t),
         compiler_params=compiler_params(cfg, gw.interpret),
         interpret=gw.interpret,
         name="skinny_gemm_bf16",

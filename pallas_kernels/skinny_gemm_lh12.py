@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, as_operand,
-                                        check_layout, chunked_dots, compiler_params, finish, row_chunks,
+                                        check_layout, chunked_dots, compiler_params, finish, row_base, row_chunks, row_grid,
                                         store_accs, store_wide, sum_partials, x_chunks)
 from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax, encode_jax
 
@@ -211,7 +211,7 @@ def escaped_high_bytes(esc, ovw, code, ha, hb):
 def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref, base_ref, o_ref, *,
                  g: Geometry, cfg: GemmConfig, segs: int, t: int,
                  interpret: bool):
-    j, s = pl.program_id(0), pl.program_id(1)
+    j, s, r0 = pl.program_id(0), pl.program_id(1), row_base(t)
     bk, bm = cfg.block_k, cfg.block_m
     m0 = pl.multiple_of(j * bm, bm)
 
@@ -270,7 +270,7 @@ def _lh12_kernel(x_ref, code_ref, lo_ref, flag_ref, ovbase_ref, ov_ref, esc_ref,
         tiles = interleave(lo_a, lo_b, ha, hb)
         if cfg.one_dot:
             tiles = [interleave_tiles(tiles)]
-        return chunked_dots(x_chunks(x_ref, k0, cfg, t), tiles, accs)
+        return chunked_dots(x_chunks(x_ref, k0, cfg, t, r0), tiles, accs)
 
     width = cfg.block_n if cfg.one_dot else bm
     zero = jnp.zeros((ROW_CHUNK, width), jnp.float32)
@@ -301,7 +301,7 @@ def _skinny_gemm_lh12(x: jax.Array, lw: Lh12GemmWeight) -> jax.Array:
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, t, STRIPES * g.mp), jnp.float32),
-        grid=(g.mp // cfg.block_m, cfg.split_k),
+        grid=(g.mp // cfg.block_m, cfg.split_k) + row_grid(t),
         compiler_params=compiler_params(cfg, lw.interpret),
         interpret=lw.interpret,
         name="skinny_gemm_lh12",

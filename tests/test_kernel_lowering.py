@@ -52,7 +52,7 @@ def weight():
 def test_lh12_kernel_lowers_for_cuda(weight, cfg):
     p = encode(weight.view(np.uint16))
     assert p.n_escape > 0
-    for t in (1, 20):
+    for t in (1, 20, 150):  # 150: three row blocks (ROWS_PER_PROGRAM)
         module = lower_for_cuda(skinny_gemm_lh12, jnp.ones((t, 256), jnp.bfloat16), prepare_lh12(p, cfg))
         assert "skinny_gemm_lh12" in module and "xla.gpu.triton" in module
 
@@ -60,8 +60,9 @@ def test_lh12_kernel_lowers_for_cuda(weight, cfg):
 @pytest.mark.parametrize("block_n", [128, 512])
 def test_bf16_kernel_lowers_for_cuda(weight, block_n):
     gw = prepare_bf16(jnp.asarray(weight), GemmConfig(block_n=block_n, split_k=2))
-    module = lower_for_cuda(skinny_gemm, jnp.ones((3, 256), jnp.bfloat16), gw)
-    assert "skinny_gemm_bf16" in module and "xla.gpu.triton" in module
+    for t in (3, 150):
+        module = lower_for_cuda(skinny_gemm, jnp.ones((t, 256), jnp.bfloat16), gw)
+        assert "skinny_gemm_bf16" in module and "xla.gpu.triton" in module
 
 
 @pytest.mark.parametrize("t", [1, 16])

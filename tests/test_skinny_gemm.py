@@ -99,6 +99,24 @@ def test_row_results_do_not_depend_on_row_count(seed):
         np.testing.assert_array_equal(bits(gemm(x[5:22], gw)), full[5:22])
 
 
+@pytest.mark.parametrize("t", [65, 100, 160])
+def test_steps_past_one_program_of_rows_keep_every_row_bitwise(t):
+    """Past ROWS_PER_PROGRAM rows (a batch-32 verify step) the rows split over a third grid axis,
+    the last block's chunks sliding back: each row equals its 1-row result, bit for bit, and the
+    12-bit kernel the bf16 one."""
+    w, _, cfg = random_case(30 + t)
+    x = jnp.asarray(np.random.default_rng(t).normal(0, 1, (t, w.shape[0])), jnp.bfloat16)
+    wj = jnp.asarray(w.view(ml_dtypes.bfloat16))
+    g16, g12 = prepare_bf16(wj, cfg, interpret=True), prepare_lh12(encode(w), cfg, interpret=True)
+    full = bits(skinny_gemm(x, g16))
+    assert full.shape == (t, w.shape[1])
+    np.testing.assert_array_equal(bits(skinny_gemm_lh12(x, g12)), full)
+    for r in (0, 63, 64, t - 17, t - 1):
+        np.testing.assert_array_equal(bits(skinny_gemm(x[r:r + 1], g16))[0], full[r])
+    ref = skinny_gemm_reference(x, wj)
+    assert float(jnp.linalg.norm(full.view(np.float32) - ref) / jnp.linalg.norm(ref)) < 1e-6
+
+
 def test_speed_knobs_leave_numerics_alone():
     """block_n and the launch knobs change speed only: outputs stay bitwise equal."""
     w, x, _ = random_case(30)
