@@ -91,25 +91,24 @@ def convert_round_trips(jaxpr, out=None):
     return out
 
 
-def test_dense_forward_states_no_rounding_as_a_convert_pair():
+def dense_target():
     cfg = tiny_config(dtype="bfloat16")
-    params = init_random_params(cfg, jax.random.PRNGKey(0))
-    toks = jnp.ones((2, 5), jnp.int32)
-    pos = jnp.arange(5)[None].repeat(2, 0)
-    jaxpr = jax.make_jaxpr(lambda p, c: forward(p, cfg, toks, pos, c, jnp.zeros(2, jnp.int32)))(
-        params, init_cache(cfg, 2, 32))
-    assert convert_round_trips(jaxpr.jaxpr) == []
+    return forward, cfg, init_random_params(cfg, jax.random.PRNGKey(0)), init_cache(cfg, 2, 32)
 
 
-def test_hybrid_forward_states_no_rounding_as_a_convert_pair():
+def hybrid_target():
     from specjax.models.hybrid import hybrid_forward, init_hybrid_cache, init_random_hybrid_params
     from test_hybrid_decoding import hybrid_config
     cfg = dataclasses.replace(hybrid_config(0), dtype="bfloat16")
-    params = init_random_hybrid_params(cfg, jax.random.PRNGKey(0))
+    return hybrid_forward, cfg, init_random_hybrid_params(cfg, jax.random.PRNGKey(0)), init_hybrid_cache(cfg, 2, 32)
+
+
+@pytest.mark.parametrize("target", [dense_target, hybrid_target], ids=["dense", "hybrid"])
+def test_forward_states_no_rounding_as_a_convert_pair(target):
+    fwd, cfg, params, cache = target()
     toks = jnp.ones((2, 5), jnp.int32)
     pos = jnp.arange(5)[None].repeat(2, 0)
-    jaxpr = jax.make_jaxpr(lambda p, c: hybrid_forward(p, cfg, toks, pos, c, jnp.zeros(2, jnp.int32)))(
-        params, init_hybrid_cache(cfg, 2, 32))
+    jaxpr = jax.make_jaxpr(lambda p, c: fwd(p, cfg, toks, pos, c, jnp.zeros(2, jnp.int32)))(params, cache)
     assert convert_round_trips(jaxpr.jaxpr) == []
 
 
