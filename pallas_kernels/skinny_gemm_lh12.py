@@ -24,8 +24,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.skinny_gemm import (ROW_CHUNK, STRIPES, GemmConfig, Geometry, as_operand,
-                                        check_layout, chunked_dots, compiler_params, finish, row_base, row_chunks, row_grid,
-                                        store_accs, store_wide, sum_partials, x_chunks)
+                                        check_layout, chunked_dots, compiler_params, finish, row_base,
+                                        row_chunks, row_grid, store_accs, store_wide, sum_partials,
+                                        x_chunks)
 from specjax.weights.lh12 import LAYOUT, Packed12, decode_jax, encode_jax
 
 _U32 = np.uint32

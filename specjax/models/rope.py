@@ -66,4 +66,3 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         xf, rf = round_like(xf, x.dtype), round_like(rf, x.dtype)
     out = xf * cos[:, :, None, :] + rf * sin[:, :, None, :]
     return out.astype(x.dtype)
-
